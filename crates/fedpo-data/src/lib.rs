@@ -1,0 +1,16 @@
+//! Preference data for fedpo: pairs, file formats, the synthetic persona generator,
+//! partitioning over devices and token batches. No tensors here; the trainer turns
+//! [`PairBatch`]es into tensors.
+
+mod batch;
+mod error;
+pub mod formats;
+mod pair;
+pub mod partition;
+pub mod synthetic;
+
+pub use batch::{collate, fingerprint, tokenize_pairs, PairBatch, TokenizedPair};
+pub use error::{DataError, Result};
+pub use formats::{load_jsonl, DataFormat, LoadedPairs};
+pub use pair::PreferencePair;
+pub use synthetic::{generate_device, DeviceData, Persona, SyntheticSpec};

@@ -1,0 +1,184 @@
+//! Turning command-line arguments into a device, a policy, a tokenizer and data.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device};
+use clap::Args;
+use fedpo_data::partition::train_heldout_split;
+use fedpo_data::synthetic::{generate_device, SyntheticSpec};
+use fedpo_data::{load_jsonl, tokenize_pairs, DataFormat, PreferencePair, TokenizedPair};
+use fedpo_model::checkpoint::{load_adapter, load_hf_dir};
+use fedpo_model::{Gpt2Config, Gpt2Tokenizer, LoraConfig, LoraTargets, Partition, PartitionPreset, Policy, PolicySpec};
+
+/// Which model and adapter to build.
+#[derive(Debug, Args, Clone)]
+pub struct ModelArgs {
+    /// `tiny` or `distilgpt2` (GPT-2 initialised from --seed), or an HF directory with
+    /// config.json, model.safetensors and optionally tokenizer.json.
+    #[arg(long, default_value = "tiny")]
+    pub model: String,
+    /// Start from a saved adapter instead of a fresh one.
+    #[arg(long)]
+    pub adapter: Option<PathBuf>,
+    /// LoRA rank.
+    #[arg(long, default_value_t = 8)]
+    pub rank: usize,
+    /// LoRA alpha (the update is scaled by alpha / rank).
+    #[arg(long, default_value_t = 16.0)]
+    pub alpha: f64,
+    /// LoRA target modules, comma separated: c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj, c_proj.
+    #[arg(long, default_value = "c_attn")]
+    pub targets: LoraTargets,
+    /// Which parameters train: pfeddpo (base + adapter), feddpo (base only),
+    /// shared-lora (adapter only, frozen base).
+    #[arg(long, default_value = "pfeddpo")]
+    pub partition: PartitionPreset,
+    /// Keep the token and position embeddings frozen.
+    #[arg(long)]
+    pub freeze_embeddings: bool,
+    /// Compute device: cpu, cuda[:N] or metal.
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Seed of the model's random initialisation and of the data order.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+/// Parses `--device`.
+pub fn parse_device(spec: &str) -> Result<Device> {
+    let (kind, ordinal) = match spec.split_once(':') {
+        Some((k, n)) => (k, n.parse::<usize>().with_context(|| format!("bad device ordinal in `{spec}`"))?),
+        None => (spec, 0),
+    };
+    match kind {
+        "cpu" => Ok(Device::Cpu),
+        "cuda" if cfg!(feature = "cuda") => Ok(Device::new_cuda(ordinal)?),
+        "metal" if cfg!(feature = "metal") => Ok(Device::new_metal(ordinal)?),
+        "cuda" | "metal" => bail!("this fedpo-device was built without `{kind}` support; rebuild with `--features {kind}`"),
+        _ => bail!("unknown device `{spec}`; expected cpu, cuda[:N] or metal"),
+    }
+}
+
+impl ModelArgs {
+    fn lora(&self) -> Result<LoraConfig> {
+        let targets: Vec<&str> = self.targets.0.iter().map(String::as_str).collect();
+        Ok(LoraConfig::new(self.rank, self.alpha, &targets)?)
+    }
+
+    /// Builds the policy and its tokenizer.
+    pub fn build(&self, device: &Device) -> Result<(Policy, Gpt2Tokenizer)> {
+        let partition = Partition { preset: self.partition, freeze_embeddings: self.freeze_embeddings };
+        let adapter = match &self.adapter {
+            Some(path) => Some(load_adapter(path, device).with_context(|| format!("loading adapter {}", path.display()))?),
+            None => None,
+        };
+        let lora = match &adapter {
+            Some(a) => a.lora.clone(),
+            None => self.lora()?,
+        };
+        let (config, base, tokenizer) = match Gpt2Config::preset(&self.model) {
+            Some(config) => (config, None, Gpt2Tokenizer::gpt2()?),
+            None => {
+                let dir = Path::new(&self.model);
+                let ckpt = load_hf_dir(dir, device).with_context(|| {
+                    format!("--model `{}` is neither a preset (tiny, distilgpt2) nor a loadable HF directory", self.model)
+                })?;
+                let tokenizer = match &ckpt.tokenizer_path {
+                    Some(p) => Gpt2Tokenizer::from_file(p)?,
+                    None => {
+                        tracing::warn!(dir = %dir.display(), "no tokenizer.json; using the built-in GPT-2 BPE");
+                        Gpt2Tokenizer::gpt2()?
+                    }
+                };
+                (ckpt.config, Some(ckpt.base), tokenizer)
+            }
+        };
+        if tokenizer.vocab_size() > config.vocab_size {
+            bail!("the tokenizer has {} tokens but the model only {}", tokenizer.vocab_size(), config.vocab_size);
+        }
+        let spec = PolicySpec { config, lora: Some(lora), partition };
+        let policy = Policy::build(spec, base.as_ref(), adapter.as_ref().map(|a| &a.tensors), self.seed, DType::F32, device)?;
+        Ok((policy, tokenizer))
+    }
+}
+
+/// Where the preference pairs come from.
+#[derive(Debug, Args, Clone)]
+pub struct DataArgs {
+    /// JSONL preference pairs (TRL, HH-RLHF or SHP layout, detected per line).
+    #[arg(long, conflicts_with = "synthetic")]
+    pub data: Option<PathBuf>,
+    /// Use the built-in synthetic persona data instead of a file.
+    #[arg(long)]
+    pub synthetic: bool,
+    /// Force the layout of --data: trl, hh-rlhf or shp.
+    #[arg(long)]
+    pub format: Option<DataFormat>,
+    /// Skip unparsable lines of --data (and report how many) instead of stopping.
+    #[arg(long)]
+    pub skip_bad: bool,
+    /// Held-out pairs from a file; otherwise --heldout-fraction of --data is held out.
+    #[arg(long)]
+    pub heldout: Option<PathBuf>,
+    /// Share of --data held out when no --heldout file is given.
+    #[arg(long, default_value_t = 0.2)]
+    pub heldout_fraction: f64,
+    /// Synthetic persona (device index) to generate.
+    #[arg(long, default_value_t = 0)]
+    pub persona: usize,
+    /// Synthetic heterogeneity in [0, 1] (matters only across personas).
+    #[arg(long, default_value_t = 1.0)]
+    pub heterogeneity: f64,
+    /// Synthetic training pairs.
+    #[arg(long, default_value_t = 120)]
+    pub train_pairs: usize,
+    /// Synthetic held-out pairs.
+    #[arg(long, default_value_t = 40)]
+    pub heldout_pairs: usize,
+    /// Tokens per sequence (prompt + response) after truncation.
+    #[arg(long, default_value_t = 128)]
+    pub max_len: usize,
+}
+
+/// Training and held-out pairs.
+pub struct LoadedData {
+    pub train: Vec<PreferencePair>,
+    pub heldout: Vec<PreferencePair>,
+}
+
+impl DataArgs {
+    /// Reads or generates the pairs.
+    pub fn load(&self, seed: u64) -> Result<LoadedData> {
+        if let Some(path) = &self.data {
+            let loaded = load_jsonl(path, self.format, self.skip_bad)?;
+            if loaded.skipped > 0 {
+                tracing::warn!(file = %path.display(), skipped = loaded.skipped, "skipped bad lines");
+            }
+            let (train, heldout) = match &self.heldout {
+                Some(h) => (loaded.pairs, load_jsonl(h, self.format, self.skip_bad)?.pairs),
+                None => train_heldout_split(loaded.pairs, self.heldout_fraction, seed)?,
+            };
+            Ok(LoadedData { train, heldout })
+        } else if self.synthetic {
+            let spec = SyntheticSpec {
+                heterogeneity: self.heterogeneity,
+                train_pairs: self.train_pairs,
+                heldout_pairs: self.heldout_pairs,
+                seed,
+            };
+            let d = generate_device(&spec, self.persona)?;
+            Ok(LoadedData { train: d.train, heldout: d.heldout })
+        } else {
+            bail!("give --data FILE or --synthetic")
+        }
+    }
+}
+
+/// Tokenizes pairs for the policy's context.
+pub fn tokenize(pairs: &[PreferencePair], tokenizer: &Gpt2Tokenizer, max_len: usize, n_positions: usize) -> Result<Vec<TokenizedPair>> {
+    if max_len > n_positions {
+        bail!("--max-len {max_len} exceeds the model's {n_positions} positions");
+    }
+    Ok(tokenize_pairs(pairs, |s| tokenizer.encode(s), max_len, tokenizer.eos_id())?)
+}

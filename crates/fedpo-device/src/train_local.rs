@@ -1,0 +1,199 @@
+//! `fedpo-device train-local`: centralized DPO on one device's pairs.
+
+use std::fs::{self, File};
+use std::io::{BufWriter, Write};
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use fedpo_data::fingerprint;
+use fedpo_model::checkpoint::{save_adapter, save_model_dir};
+use fedpo_model::io::{hash_tensors, write_atomic};
+use fedpo_model::{ParamKind, Policy};
+use fedpo_train::{
+    compute_reference, evaluate, load_or_compute_reference, DpoSettings, EvalMetrics, LocalTrainer, LossKind, OptimConfig,
+    OptimKind, PreferenceSet,
+};
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::json;
+
+use crate::setup::{parse_device, tokenize, DataArgs, ModelArgs};
+
+/// Loss and optimizer flags shared by every training command.
+#[derive(Debug, Args, Clone)]
+pub struct DpoArgs {
+    /// DPO beta.
+    #[arg(long, default_value_t = 0.2)]
+    pub beta: f64,
+    /// Preference loss: sigmoid (DPO) or ipo.
+    #[arg(long, default_value = "sigmoid", value_parser = ["sigmoid", "ipo"])]
+    pub loss: String,
+    /// cDPO label smoothing for the sigmoid loss.
+    #[arg(long, default_value_t = 0.0)]
+    pub label_smoothing: f64,
+    /// Optimizer: sgd or adamw.
+    #[arg(long, default_value = "sgd")]
+    pub optim: OptimKind,
+    /// Learning rate.
+    #[arg(long, default_value_t = 0.1)]
+    pub lr: f64,
+    /// AdamW weight decay.
+    #[arg(long, default_value_t = 0.0)]
+    pub weight_decay: f64,
+    /// Clip the global gradient norm.
+    #[arg(long)]
+    pub max_grad_norm: Option<f64>,
+    /// Pairs per optimizer step.
+    #[arg(long, default_value_t = 8)]
+    pub batch_pairs: usize,
+    /// Pairs per forward pass (gradient accumulation); defaults to --batch-pairs.
+    #[arg(long)]
+    pub micro_batch_pairs: Option<usize>,
+}
+
+impl DpoArgs {
+    pub fn settings(&self, pad_id: u32) -> DpoSettings {
+        let loss = match self.loss.as_str() {
+            "ipo" => LossKind::Ipo,
+            _ => LossKind::Sigmoid { label_smoothing: self.label_smoothing },
+        };
+        DpoSettings {
+            beta: self.beta,
+            loss,
+            batch_pairs: self.batch_pairs,
+            micro_batch_pairs: self.micro_batch_pairs.unwrap_or(self.batch_pairs),
+            pad_id,
+        }
+    }
+
+    pub fn optim(&self) -> OptimConfig {
+        OptimConfig { weight_decay: self.weight_decay, max_grad_norm: self.max_grad_norm, ..OptimConfig::new(self.optim, self.lr) }
+    }
+}
+
+#[derive(Debug, Args)]
+pub struct TrainLocalArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub data: DataArgs,
+    #[command(flatten)]
+    pub dpo: DpoArgs,
+    /// Optimizer steps.
+    #[arg(long, default_value_t = 200)]
+    pub steps: u64,
+    /// Write a metrics line every N steps.
+    #[arg(long, default_value_t = 1)]
+    pub log_every: u64,
+    /// Output directory: metrics.jsonl, summary.json, the adapter and/or model.
+    #[arg(long, default_value = "runs/train-local")]
+    pub out: PathBuf,
+}
+
+fn reference_set(policy: &Policy, model_hash: &str, pairs: Vec<fedpo_data::TokenizedPair>, cache: PathBuf, settings: &DpoSettings) -> Result<PreferenceSet> {
+    let fp = fingerprint(&pairs);
+    let (reference, hit) = load_or_compute_reference(&cache, model_hash, &fp, || {
+        compute_reference(policy, &pairs, settings.batch_pairs, settings.pad_id)
+    })?;
+    tracing::info!(pairs = pairs.len(), cached = hit, file = %cache.display(), "reference log-probs ready");
+    Ok(PreferenceSet { pairs, reference })
+}
+
+pub fn run(args: TrainLocalArgs) -> Result<()> {
+    let device = parse_device(&args.model.device)?;
+    let (policy, tokenizer) = args.model.build(&device)?;
+    let data = args.data.load(args.model.seed)?;
+    let n_positions = policy.spec.config.n_positions;
+    let train_tokens = tokenize(&data.train, &tokenizer, args.data.max_len, n_positions)?;
+    let heldout_tokens = tokenize(&data.heldout, &tokenizer, args.data.max_len, n_positions)?;
+    let settings = args.dpo.settings(tokenizer.eos_id());
+    fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
+
+    let trainable = policy.params.trainable().count();
+    tracing::info!(
+        model = %args.model.model,
+        partition = %policy.spec.partition.preset,
+        trainable_tensors = trainable,
+        trainable_params = policy.params.trainable().map(|p| p.tensor().elem_count()).sum::<usize>(),
+        train_pairs = train_tokens.len(),
+        heldout_pairs = heldout_tokens.len(),
+        "starting local DPO"
+    );
+    let model_hash = hash_tensors(policy.params.iter().map(|p| (p.name.as_str(), p.tensor())))?;
+    let train = reference_set(&policy, &model_hash, train_tokens, args.out.join("ref_train.json"), &settings)?;
+    let heldout = reference_set(&policy, &model_hash, heldout_tokens, args.out.join("ref_heldout.json"), &settings)?;
+
+    let before_train = evaluate(&policy, &train, &settings)?;
+    let before_heldout = evaluate(&policy, &heldout, &settings)?;
+    let mut trainer = LocalTrainer::new(settings, args.dpo.optim(), args.model.seed)?;
+    let metrics_path = args.out.join("metrics.jsonl");
+    let mut metrics = BufWriter::new(File::create(&metrics_path).with_context(|| format!("creating {}", metrics_path.display()))?);
+    let bar = ProgressBar::new(args.steps);
+    bar.set_style(ProgressStyle::with_template("{bar:30} {pos}/{len} steps [{elapsed_precise}<{eta_precise}] {msg}")?);
+    for _ in 0..args.steps {
+        let m = trainer.step(&policy, &train)?;
+        if m.step % args.log_every.max(1) == 0 || m.step == args.steps {
+            serde_json::to_writer(&mut metrics, &m)?;
+            metrics.write_all(b"\n")?;
+            metrics.flush()?;
+        }
+        bar.set_message(format!("loss {:.4} acc {:.2} |g| {:.3}", m.loss, m.reward_acc, m.grad_norm));
+        bar.inc(1);
+        if m.step % 20 == 0 && bar.is_hidden() {
+            tracing::info!(step = m.step, loss = m.loss, reward_acc = m.reward_acc, grad_norm = m.grad_norm, "train");
+        }
+    }
+    bar.finish_and_clear();
+
+    let after_train = evaluate(&policy, &train, &settings)?;
+    let after_heldout = evaluate(&policy, &heldout, &settings)?;
+    save_outputs(&policy, &tokenizer, &args, &before_train, &before_heldout, &after_train, &after_heldout)?;
+    println!(
+        "reward accuracy  train {:.3} -> {:.3}   held-out {:.3} -> {:.3}   (loss {:.4} -> {:.4})",
+        before_train.reward_acc, after_train.reward_acc, before_heldout.reward_acc, after_heldout.reward_acc,
+        before_train.loss, after_train.loss
+    );
+    println!("wrote {}", args.out.display());
+    Ok(())
+}
+
+fn save_outputs(
+    policy: &Policy,
+    tokenizer: &fedpo_model::Gpt2Tokenizer,
+    args: &TrainLocalArgs,
+    before_train: &EvalMetrics,
+    before_heldout: &EvalMetrics,
+    after_train: &EvalMetrics,
+    after_heldout: &EvalMetrics,
+) -> Result<()> {
+    let mut saved = Vec::new();
+    if policy.spec.lora.is_some() {
+        save_adapter(policy, &args.out.join("adapter.safetensors"))?;
+        saved.push("adapter.safetensors");
+    }
+    let base_trained = policy.params.trainable().any(|p| p.kind == ParamKind::Base);
+    if base_trained {
+        let dir = args.out.join("model");
+        save_model_dir(policy, &dir)?;
+        tokenizer.save(&dir.join("tokenizer.json"))?;
+        saved.push("model/");
+    }
+    let summary = json!({
+        "final_loss": after_train.loss,
+        "reward_acc": after_train.reward_acc,
+        "heldout_acc": after_heldout.reward_acc,
+        "heldout_loss": after_heldout.loss,
+        "margin": after_train.margin,
+        "initial": { "loss": before_train.loss, "reward_acc": before_train.reward_acc, "heldout_acc": before_heldout.reward_acc },
+        "train_pairs": after_train.pairs,
+        "heldout_pairs": after_heldout.pairs,
+        "steps": args.steps,
+        "model": args.model.model,
+        "partition": policy.spec.partition.preset.name(),
+        "lora": policy.spec.lora,
+        "dpo": { "beta": args.dpo.beta, "loss": args.dpo.loss, "lr": args.dpo.lr, "optim": args.dpo.optim, "batch_pairs": args.dpo.batch_pairs },
+        "saved": saved,
+    });
+    write_atomic(&args.out.join("summary.json"), &serde_json::to_vec_pretty(&summary)?)?;
+    Ok(())
+}

@@ -1,0 +1,245 @@
+//! GPT-2 (Radford et al. 2019) with optional LoRA adapters, for DPO training on devices.
+//!
+//! ```text
+//! fedpo-device train-local --synthetic --model tiny --steps 200
+//! ```
+//!
+//! Struct fields carry the checkpoint's tensor names (`wte`, `h.N.attn.c_attn`, `ln_f`) so
+//! loading reads like the checkpoint. Projections are HF `Conv1D`s: weights are stored
+//! `[in, out]` and applied as `x @ W`, with no transpose on import. The head is tied to `wte`.
+//!
+//! Layer norm, softmax and GELU are the gradient-safe versions of [`crate::ops`]; frozen
+//! projections use a matmul that skips the weight gradient.
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::config::Gpt2Config;
+use crate::error::{ModelError, Result};
+use crate::lora::{LoraConfig, LoraLayer};
+use crate::ops;
+use crate::weights::{Init, ParamBuilder};
+
+type CResult<T> = candle_core::Result<T>;
+
+/// GPT-2's initialiser range: weights are N(0, 0.02).
+const INIT_STD: f64 = 0.02;
+
+#[derive(Debug, Clone)]
+struct LayerNorm {
+    weight: Tensor,
+    bias: Tensor,
+    eps: f64,
+}
+
+impl LayerNorm {
+    fn load(b: &mut ParamBuilder<'_>, prefix: &str, cfg: &Gpt2Config) -> Result<Self> {
+        let d = cfg.n_embd;
+        Ok(Self {
+            weight: b.base(&format!("{prefix}.weight"), &[d], Init::Ones)?,
+            bias: b.base(&format!("{prefix}.bias"), &[d], Init::Zeros)?,
+            eps: cfg.layer_norm_epsilon,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> CResult<Tensor> {
+        ops::layer_norm(x, &self.weight, &self.bias, self.eps)
+    }
+}
+
+/// HF's `Conv1D`: `y = x @ weight + bias` with `weight: [in, out]`, plus an optional adapter.
+#[derive(Debug, Clone)]
+struct Conv1D {
+    weight: Tensor,
+    bias: Tensor,
+    weight_frozen: bool,
+    lora: Option<LoraLayer>,
+}
+
+impl Conv1D {
+    fn load(
+        b: &mut ParamBuilder<'_>,
+        prefix: &str,
+        (fan_in, fan_out): (usize, usize),
+        std: f64,
+        lora: Option<&LoraConfig>,
+    ) -> Result<Self> {
+        let weight_name = format!("{prefix}.weight");
+        let weight_frozen = !b.partition().base_role(&weight_name).is_trainable();
+        let weight = b.base(&weight_name, &[fan_in, fan_out], Init::Normal(std))?;
+        let bias = b.base(&format!("{prefix}.bias"), &[fan_out], Init::Zeros)?;
+        let lora = match lora {
+            Some(cfg) => {
+                let bound = 1.0 / (fan_in as f64).sqrt();
+                let a = b.adapter(&format!("{prefix}.lora_A.weight"), &[cfg.rank, fan_in], Init::Uniform(bound))?;
+                let b_ = b.adapter(&format!("{prefix}.lora_B.weight"), &[fan_out, cfg.rank], Init::Zeros)?;
+                Some(LoraLayer { a, b: b_, scale: cfg.scale() })
+            }
+            None => None,
+        };
+        Ok(Self { weight, bias, weight_frozen, lora })
+    }
+
+    fn forward(&self, x: &Tensor) -> CResult<Tensor> {
+        let mut out_dims = x.dims().to_vec();
+        let fan_in = out_dims.pop().unwrap_or(0);
+        let rows: usize = out_dims.iter().product();
+        let x2 = x.reshape((rows, fan_in))?;
+        let mut y = if self.weight_frozen {
+            ops::matmul_frozen_rhs(&x2, &self.weight)?
+        } else {
+            x2.matmul(&self.weight)?
+        };
+        y = y.broadcast_add(&self.bias)?;
+        if let Some(lora) = &self.lora {
+            y = (y + lora.forward(&x2)?)?;
+        }
+        out_dims.push(y.dim(1)?);
+        y.reshape(out_dims)
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Attention {
+    c_attn: Conv1D,
+    c_proj: Conv1D,
+    n_head: usize,
+}
+
+impl Attention {
+    fn load(b: &mut ParamBuilder<'_>, prefix: &str, cfg: &Gpt2Config, lora: Option<&LoraConfig>) -> Result<Self> {
+        let d = cfg.n_embd;
+        let adapted = |module: &str| lora.filter(|l| l.targets_module(module));
+        // GPT-2 scales residual projections by 1/sqrt(2 n_layer) at init.
+        let proj_std = INIT_STD / (2.0 * cfg.n_layer as f64).sqrt();
+        Ok(Self {
+            c_attn: Conv1D::load(b, &format!("{prefix}.c_attn"), (d, 3 * d), INIT_STD, adapted("attn.c_attn"))?,
+            c_proj: Conv1D::load(b, &format!("{prefix}.c_proj"), (d, d), proj_std, adapted("attn.c_proj"))?,
+            n_head: cfg.n_head,
+        })
+    }
+
+    /// Causal self-attention. Right padding needs no extra mask: a real token only ever
+    /// attends to earlier positions, which are real too.
+    fn forward(&self, x: &Tensor, causal_mask: &Tensor) -> CResult<Tensor> {
+        let (b, t, d) = x.dims3()?;
+        let head_dim = d / self.n_head;
+        let qkv = self.c_attn.forward(x)?;
+        let split = |i: usize| -> CResult<Tensor> {
+            qkv.narrow(2, i * d, d)?.reshape((b, t, self.n_head, head_dim))?.transpose(1, 2)?.contiguous()
+        };
+        let (q, k, v) = (split(0)?, split(1)?, split(2)?);
+        let scores = (q.matmul(&k.t()?)? * (1.0 / (head_dim as f64).sqrt()))?;
+        let probs = ops::softmax_last_dim(&scores.broadcast_add(causal_mask)?)?;
+        let y = probs.matmul(&v)?.transpose(1, 2)?.reshape((b, t, d))?;
+        self.c_proj.forward(&y)
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Mlp {
+    c_fc: Conv1D,
+    c_proj: Conv1D,
+}
+
+impl Mlp {
+    fn load(b: &mut ParamBuilder<'_>, prefix: &str, cfg: &Gpt2Config, lora: Option<&LoraConfig>) -> Result<Self> {
+        let (d, inner) = (cfg.n_embd, cfg.inner_dim());
+        let adapted = |module: &str| lora.filter(|l| l.targets_module(module));
+        let proj_std = INIT_STD / (2.0 * cfg.n_layer as f64).sqrt();
+        Ok(Self {
+            c_fc: Conv1D::load(b, &format!("{prefix}.c_fc"), (d, inner), INIT_STD, adapted("mlp.c_fc"))?,
+            c_proj: Conv1D::load(b, &format!("{prefix}.c_proj"), (inner, d), proj_std, adapted("mlp.c_proj"))?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> CResult<Tensor> {
+        self.c_proj.forward(&ops::gelu_new(&self.c_fc.forward(x)?)?)
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Block {
+    ln_1: LayerNorm,
+    attn: Attention,
+    ln_2: LayerNorm,
+    mlp: Mlp,
+}
+
+impl Block {
+    fn load(b: &mut ParamBuilder<'_>, i: usize, cfg: &Gpt2Config, lora: Option<&LoraConfig>) -> Result<Self> {
+        let p = format!("h.{i}");
+        Ok(Self {
+            ln_1: LayerNorm::load(b, &format!("{p}.ln_1"), cfg)?,
+            attn: Attention::load(b, &format!("{p}.attn"), cfg, lora)?,
+            ln_2: LayerNorm::load(b, &format!("{p}.ln_2"), cfg)?,
+            mlp: Mlp::load(b, &format!("{p}.mlp"), cfg, lora)?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor, causal_mask: &Tensor) -> CResult<Tensor> {
+        let x = (x + self.attn.forward(&self.ln_1.forward(x)?, causal_mask)?)?;
+        &x + self.mlp.forward(&self.ln_2.forward(&x)?)?
+    }
+}
+
+/// The GPT-2 language model with a head tied to the token embedding.
+#[derive(Debug, Clone)]
+pub struct Gpt2 {
+    wte: Tensor,
+    wpe: Tensor,
+    h: Vec<Block>,
+    ln_f: LayerNorm,
+    wte_frozen: bool,
+    n_positions: usize,
+    dtype: DType,
+    device: Device,
+}
+
+impl Gpt2 {
+    pub(crate) fn load(b: &mut ParamBuilder<'_>, cfg: &Gpt2Config, lora: Option<&LoraConfig>) -> Result<Self> {
+        cfg.validate()?;
+        let d = cfg.n_embd;
+        let wte_frozen = !b.partition().base_role("wte.weight").is_trainable();
+        let wte = b.base("wte.weight", &[cfg.vocab_size, d], Init::Normal(INIT_STD))?;
+        let wpe = b.base("wpe.weight", &[cfg.n_positions, d], Init::Normal(0.01))?;
+        let h = (0..cfg.n_layer).map(|i| Block::load(b, i, cfg, lora)).collect::<Result<Vec<_>>>()?;
+        let ln_f = LayerNorm::load(b, "ln_f", cfg)?;
+        Ok(Self { wte, wpe, h, ln_f, wte_frozen, n_positions: cfg.n_positions, dtype: b.dtype(), device: b.device().clone() })
+    }
+
+    /// Final hidden states `[batch, seq, n_embd]` for token ids `[batch, seq]` (u32).
+    pub fn hidden_states(&self, input_ids: &Tensor) -> Result<Tensor> {
+        let (b, t) = input_ids.dims2()?;
+        if t > self.n_positions {
+            return Err(ModelError::SequenceTooLong { len: t, max: self.n_positions });
+        }
+        let d = self.wte.dim(1)?;
+        let tokens = self.wte.index_select(&input_ids.flatten_all()?, 0)?.reshape((b, t, d))?;
+        let mut x = tokens.broadcast_add(&self.wpe.narrow(0, 0, t)?)?;
+        let mask = causal_mask(t, self.dtype, &self.device)?;
+        for block in &self.h {
+            x = block.forward(&x, &mask)?;
+        }
+        Ok(self.ln_f.forward(&x)?)
+    }
+
+    /// Logits `[n, vocab]` for hidden states `[n, n_embd]`.
+    pub fn lm_head(&self, hidden: &Tensor) -> Result<Tensor> {
+        let head = self.wte.t()?;
+        Ok(if self.wte_frozen { ops::matmul_frozen_rhs(hidden, &head)? } else { hidden.matmul(&head)? })
+    }
+
+    /// Logits `[batch, seq, vocab]` at every position (for tests and reference checks; the
+    /// trainer only computes the head at response positions).
+    pub fn forward(&self, input_ids: &Tensor) -> Result<Tensor> {
+        let h = self.hidden_states(input_ids)?;
+        let (b, t, d) = h.dims3()?;
+        Ok(self.lm_head(&h.reshape((b * t, d))?)?.reshape((b, t, ()))?)
+    }
+}
+
+fn causal_mask(t: usize, dtype: DType, device: &Device) -> CResult<Tensor> {
+    let mask: Vec<f32> =
+        (0..t).flat_map(|i| (0..t).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY })).collect();
+    Tensor::from_vec(mask, (t, t), device)?.to_dtype(dtype)
+}

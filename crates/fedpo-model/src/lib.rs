@@ -1,0 +1,29 @@
+//! The policy model of fedpo: GPT-2 family transformers with LoRA adapters in candle.
+//!
+//! - [`Gpt2Config`]: HF-compatible hyper-parameters and the `tiny` / `distilgpt2` presets;
+//! - [`Policy`]: the model with its **shared**, **private** and **frozen** parameter sets
+//!   ([`Partition`]), built from a checkpoint or a seeded random init;
+//! - [`checkpoint`]: HF directories in, adapters and models out, written atomically;
+//! - [`Gpt2Tokenizer`]: the GPT-2 BPE, built offline;
+//! - [`ops`]: gradient-correct layer norm, softmax and the fused kernels training relies on.
+
+pub mod checkpoint;
+mod config;
+mod error;
+mod gpt2;
+pub mod io;
+mod lora;
+pub mod ops;
+mod params;
+mod policy;
+pub mod tokenizer;
+mod weights;
+
+pub use config::{Gpt2Config, GPT2_VOCAB_SIZE};
+pub use error::{ModelError, Result};
+pub use gpt2::Gpt2;
+pub use lora::{LoraConfig, LoraTargets, LORA_MODULES};
+pub use params::{Param, ParamKind, ParamRole, ParamStore, Partition, PartitionPreset};
+pub use policy::{Policy, PolicySpec};
+pub use tokenizer::Gpt2Tokenizer;
+pub use weights::TensorSource;

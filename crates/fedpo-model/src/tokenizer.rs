@@ -1,0 +1,163 @@
+//! Text to token ids: the GPT-2 byte-level BPE, built offline, or any `tokenizer.json`.
+//!
+//! The default tokenizer is compiled from GPT-2's own vocabulary files (`encoder.json`,
+//! `vocab.bpe`, see `assets/gpt2/README.md`) into a `tokenizers` BPE with GPT-2's byte-level
+//! pre-tokenizer and decoder, the same pipeline as the hub's DistilGPT-2 `tokenizer.json`.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+use tokenizers::models::bpe::BPE;
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::{AddedToken, Tokenizer};
+
+use crate::error::{ModelError, Result};
+
+const ENCODER_JSON: &str = include_str!("../assets/gpt2/encoder.json");
+const VOCAB_BPE: &str = include_str!("../assets/gpt2/vocab.bpe");
+
+/// GPT-2's end-of-text token, also used as padding and as the start of an empty prompt.
+pub const ENDOFTEXT: &str = "<|endoftext|>";
+
+/// A tokenizer plus the id of its end-of-text token.
+#[derive(Clone)]
+pub struct Gpt2Tokenizer {
+    inner: Tokenizer,
+    eos_id: u32,
+}
+
+impl std::fmt::Debug for Gpt2Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gpt2Tokenizer").field("vocab", &self.vocab_size()).field("eos_id", &self.eos_id).finish()
+    }
+}
+
+fn tok_err(e: impl std::fmt::Display) -> ModelError {
+    ModelError::Tokenizer(e.to_string())
+}
+
+impl Gpt2Tokenizer {
+    /// The GPT-2 BPE from the bundled vocabulary files (50,257 tokens).
+    pub fn gpt2() -> Result<Self> {
+        let vocab: HashMap<String, u32> = serde_json::from_str(ENCODER_JSON).map_err(tok_err)?;
+        let merges: Vec<(String, String)> = VOCAB_BPE
+            .lines()
+            .filter(|l| !l.starts_with("#version") && !l.trim().is_empty())
+            .map(|l| {
+                let (a, b) = l.split_once(' ').ok_or_else(|| tok_err(format!("bad merge line `{l}`")))?;
+                Ok((a.to_string(), b.to_string()))
+            })
+            .collect::<Result<_>>()?;
+        let vocab: ahash::AHashMap<String, u32> = vocab.into_iter().collect();
+        let bpe = BPE::builder().vocab_and_merges(vocab, merges).build().map_err(tok_err)?;
+        let mut inner = Tokenizer::new(bpe);
+        inner
+            .with_pre_tokenizer(Some(ByteLevel::default().add_prefix_space(false).trim_offsets(true).use_regex(true)))
+            .with_decoder(Some(ByteLevelDecoder::default()))
+            .with_post_processor(Some(ByteLevel::default().trim_offsets(false)));
+        inner.add_special_tokens([AddedToken::from(ENDOFTEXT, true)]).map_err(tok_err)?;
+        Self::wrap(inner)
+    }
+
+    /// Loads any HF `tokenizer.json`. It must know `<|endoftext|>`.
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let inner = Tokenizer::from_file(path).map_err(|e| tok_err(format!("{}: {e}", path.display())))?;
+        Self::wrap(inner)
+    }
+
+    fn wrap(inner: Tokenizer) -> Result<Self> {
+        let eos_id = inner
+            .token_to_id(ENDOFTEXT)
+            .ok_or_else(|| tok_err(format!("the tokenizer has no `{ENDOFTEXT}` token")))?;
+        Ok(Self { inner, eos_id })
+    }
+
+    /// Token ids of `text`, without special tokens added.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        Ok(self.inner.encode(text, false).map_err(tok_err)?.get_ids().to_vec())
+    }
+
+    /// Text of `ids` (special tokens kept).
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.inner.decode(ids, false).map_err(tok_err)
+    }
+
+    /// Id of `<|endoftext|>`.
+    pub fn eos_id(&self) -> u32 {
+        self.eos_id
+    }
+
+    /// Vocabulary size including added tokens.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    /// Writes an HF `tokenizer.json`.
+    pub fn save(&self, path: &Path) -> Result<()> {
+        self.inner.save(path, false).map_err(tok_err)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Strings where byte-level BPE implementations usually part ways.
+    const TRICKY: &[&str] = &[
+        "Hello, world!",
+        "I'm sure you'll see it's what they've done, and we'd... OK?",
+        "  leading spaces and\ttabs\n\nnew lines   \n",
+        "Ünïcödé: naïve café, 日本語のテキスト, emoji 🤖🚀 and Ω≈ç√",
+        "numbers 1234567890 3.14159 -42 1e-5",
+        "\n\nHuman: What is DPO?\n\nAssistant: Direct preference optimisation.",
+        "trailing whitespace   ",
+        "<|endoftext|> is special",
+        "",
+        "don't DON'T Don't",
+        "    def f(x):\n        return x**2  # comment",
+    ];
+
+    #[test]
+    fn gpt2_ids_match_tiktoken_r50k_base_on_tricky_strings() {
+        let ours = Gpt2Tokenizer::gpt2().unwrap();
+        let reference = tiktoken_rs::r50k_base().unwrap();
+        for text in TRICKY {
+            let expected: Vec<u32> = reference.encode_with_special_tokens(text).into_iter().map(|t| t as u32).collect();
+            assert_eq!(ours.encode(text).unwrap(), expected, "ids differ for {text:?}");
+        }
+    }
+
+    #[test]
+    fn decoding_round_trips_the_text() {
+        let tok = Gpt2Tokenizer::gpt2().unwrap();
+        for text in TRICKY {
+            assert_eq!(&tok.decode(&tok.encode(text).unwrap()).unwrap(), text);
+        }
+    }
+
+    #[test]
+    fn default_tokenizer_has_gpt2_vocabulary_and_eos() {
+        let tok = Gpt2Tokenizer::gpt2().unwrap();
+        assert_eq!(tok.vocab_size(), 50257);
+        assert_eq!(tok.eos_id(), 50256);
+    }
+
+    #[test]
+    fn tokenizer_json_written_and_loaded_back_tokenizes_identically() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tokenizer.json");
+        let tok = Gpt2Tokenizer::gpt2().unwrap();
+        tok.save(&path).unwrap();
+        let loaded = Gpt2Tokenizer::from_file(&path).unwrap();
+        for text in TRICKY {
+            assert_eq!(loaded.encode(text).unwrap(), tok.encode(text).unwrap());
+        }
+    }
+
+    #[test]
+    fn unreadable_tokenizer_file_names_the_path() {
+        let err = Gpt2Tokenizer::from_file(Path::new("/nonexistent/tokenizer.json")).unwrap_err().to_string();
+        assert!(err.contains("/nonexistent/tokenizer.json"), "{err}");
+    }
+}

@@ -1,0 +1,15 @@
+//! DPO training for fedpo: the loss family, response log-probs, reference caching,
+//! optimizers with persistent state, and the local trainer every device runs.
+
+mod error;
+pub mod logps;
+pub mod loss;
+pub mod optim;
+pub mod reference;
+mod trainer;
+
+pub use error::{Result, TrainError};
+pub use loss::LossKind;
+pub use optim::{OptimConfig, OptimKind, Optimizer};
+pub use reference::{compute_reference, load_or_compute_reference, RefLogps};
+pub use trainer::{evaluate, DpoSettings, EvalMetrics, LocalTrainer, PreferenceSet, StepMetrics};
