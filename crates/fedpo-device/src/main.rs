@@ -1,1 +1,48 @@
-fn main() {}
+//! `fedpo-device`: what runs on every edge device.
+//!
+//! ```text
+//! fedpo-device train-local --synthetic --model tiny --steps 200      # centralized DPO
+//! fedpo-device score --model DIR --adapter A.safetensors --data pairs.jsonl
+//! fedpo-device bench --tiny --pairs 4 --steps 8                       # DPO step time, peak RSS
+//! ```
+
+mod allocator;
+mod bench;
+mod score;
+mod setup;
+mod train_local;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+use tracing_subscriber::EnvFilter;
+
+#[derive(Parser)]
+#[command(name = "fedpo-device", version, about = "fedpo edge device: local DPO training, scoring and benchmarks")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Centralized DPO on this device's pairs; writes metrics.jsonl, summary.json and the
+    /// trained adapter and/or model.
+    TrainLocal(train_local::TrainLocalArgs),
+    /// Summed response log-probs of every pair under a model (and adapter), as JSONL.
+    Score(score::ScoreArgs),
+    /// Time one DPO optimizer step and report peak memory, with the peer script's flags.
+    Bench(bench::BenchArgs),
+}
+
+fn main() -> Result<()> {
+    allocator::keep_freed_memory_in_heap();
+    tracing_subscriber::fmt()
+        .with_env_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")))
+        .with_writer(std::io::stderr)
+        .init();
+    match Cli::parse().command {
+        Command::TrainLocal(args) => train_local::run(args),
+        Command::Score(args) => score::run(args),
+        Command::Bench(args) => bench::run(args),
+    }
+}

@@ -13,40 +13,40 @@ use fedpo_model::{Gpt2Config, Gpt2Tokenizer, LoraConfig, LoraTargets, Partition,
 
 /// Which model and adapter to build.
 #[derive(Debug, Args, Clone)]
-pub struct ModelArgs {
+pub(crate) struct ModelArgs {
     /// `tiny` or `distilgpt2` (GPT-2 initialised from --seed), or an HF directory with
     /// config.json, model.safetensors and optionally tokenizer.json.
     #[arg(long, default_value = "tiny")]
-    pub model: String,
+    pub(crate) model: String,
     /// Start from a saved adapter instead of a fresh one.
     #[arg(long)]
-    pub adapter: Option<PathBuf>,
+    pub(crate) adapter: Option<PathBuf>,
     /// LoRA rank.
     #[arg(long, default_value_t = 8)]
-    pub rank: usize,
+    pub(crate) rank: usize,
     /// LoRA alpha (the update is scaled by alpha / rank).
     #[arg(long, default_value_t = 16.0)]
-    pub alpha: f64,
+    pub(crate) alpha: f64,
     /// LoRA target modules, comma separated: c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj, c_proj.
     #[arg(long, default_value = "c_attn")]
-    pub targets: LoraTargets,
+    pub(crate) targets: LoraTargets,
     /// Which parameters train: pfeddpo (base + adapter), feddpo (base only),
     /// shared-lora (adapter only, frozen base).
     #[arg(long, default_value = "pfeddpo")]
-    pub partition: PartitionPreset,
+    pub(crate) partition: PartitionPreset,
     /// Keep the token and position embeddings frozen.
     #[arg(long)]
-    pub freeze_embeddings: bool,
+    pub(crate) freeze_embeddings: bool,
     /// Compute device: cpu, cuda[:N] or metal.
     #[arg(long, default_value = "cpu")]
-    pub device: String,
+    pub(crate) device: String,
     /// Seed of the model's random initialisation and of the data order.
     #[arg(long, default_value_t = 0)]
-    pub seed: u64,
+    pub(crate) seed: u64,
 }
 
 /// Parses `--device`.
-pub fn parse_device(spec: &str) -> Result<Device> {
+pub(crate) fn parse_device(spec: &str) -> Result<Device> {
     let (kind, ordinal) = match spec.split_once(':') {
         Some((k, n)) => (k, n.parse::<usize>().with_context(|| format!("bad device ordinal in `{spec}`"))?),
         None => (spec, 0),
@@ -67,7 +67,7 @@ impl ModelArgs {
     }
 
     /// Builds the policy and its tokenizer.
-    pub fn build(&self, device: &Device) -> Result<(Policy, Gpt2Tokenizer)> {
+    pub(crate) fn build(&self, device: &Device) -> Result<(Policy, Gpt2Tokenizer)> {
         let partition = Partition { preset: self.partition, freeze_embeddings: self.freeze_embeddings };
         let adapter = match &self.adapter {
             Some(path) => Some(load_adapter(path, device).with_context(|| format!("loading adapter {}", path.display()))?),
@@ -105,51 +105,51 @@ impl ModelArgs {
 
 /// Where the preference pairs come from.
 #[derive(Debug, Args, Clone)]
-pub struct DataArgs {
+pub(crate) struct DataArgs {
     /// JSONL preference pairs (TRL, HH-RLHF or SHP layout, detected per line).
     #[arg(long, conflicts_with = "synthetic")]
-    pub data: Option<PathBuf>,
+    pub(crate) data: Option<PathBuf>,
     /// Use the built-in synthetic persona data instead of a file.
     #[arg(long)]
-    pub synthetic: bool,
+    pub(crate) synthetic: bool,
     /// Force the layout of --data: trl, hh-rlhf or shp.
     #[arg(long)]
-    pub format: Option<DataFormat>,
+    pub(crate) format: Option<DataFormat>,
     /// Skip unparsable lines of --data (and report how many) instead of stopping.
     #[arg(long)]
-    pub skip_bad: bool,
+    pub(crate) skip_bad: bool,
     /// Held-out pairs from a file; otherwise --heldout-fraction of --data is held out.
     #[arg(long)]
-    pub heldout: Option<PathBuf>,
+    pub(crate) heldout: Option<PathBuf>,
     /// Share of --data held out when no --heldout file is given.
     #[arg(long, default_value_t = 0.2)]
-    pub heldout_fraction: f64,
+    pub(crate) heldout_fraction: f64,
     /// Synthetic persona (device index) to generate.
     #[arg(long, default_value_t = 0)]
-    pub persona: usize,
+    pub(crate) persona: usize,
     /// Synthetic heterogeneity in [0, 1] (matters only across personas).
     #[arg(long, default_value_t = 1.0)]
-    pub heterogeneity: f64,
+    pub(crate) heterogeneity: f64,
     /// Synthetic training pairs.
     #[arg(long, default_value_t = 120)]
-    pub train_pairs: usize,
+    pub(crate) train_pairs: usize,
     /// Synthetic held-out pairs.
     #[arg(long, default_value_t = 40)]
-    pub heldout_pairs: usize,
+    pub(crate) heldout_pairs: usize,
     /// Tokens per sequence (prompt + response) after truncation.
     #[arg(long, default_value_t = 128)]
-    pub max_len: usize,
+    pub(crate) max_len: usize,
 }
 
 /// Training and held-out pairs.
-pub struct LoadedData {
-    pub train: Vec<PreferencePair>,
-    pub heldout: Vec<PreferencePair>,
+pub(crate) struct LoadedData {
+    pub(crate) train: Vec<PreferencePair>,
+    pub(crate) heldout: Vec<PreferencePair>,
 }
 
 impl DataArgs {
     /// Reads or generates the pairs.
-    pub fn load(&self, seed: u64) -> Result<LoadedData> {
+    pub(crate) fn load(&self, seed: u64) -> Result<LoadedData> {
         if let Some(path) = &self.data {
             let loaded = load_jsonl(path, self.format, self.skip_bad)?;
             if loaded.skipped > 0 {
@@ -176,7 +176,7 @@ impl DataArgs {
 }
 
 /// Tokenizes pairs for the policy's context.
-pub fn tokenize(pairs: &[PreferencePair], tokenizer: &Gpt2Tokenizer, max_len: usize, n_positions: usize) -> Result<Vec<TokenizedPair>> {
+pub(crate) fn tokenize(pairs: &[PreferencePair], tokenizer: &Gpt2Tokenizer, max_len: usize, n_positions: usize) -> Result<Vec<TokenizedPair>> {
     if max_len > n_positions {
         bail!("--max-len {max_len} exceeds the model's {n_positions} positions");
     }

@@ -21,38 +21,38 @@ use crate::setup::{parse_device, tokenize, DataArgs, ModelArgs};
 
 /// Loss and optimizer flags shared by every training command.
 #[derive(Debug, Args, Clone)]
-pub struct DpoArgs {
+pub(crate) struct DpoArgs {
     /// DPO beta.
     #[arg(long, default_value_t = 0.2)]
-    pub beta: f64,
+    pub(crate) beta: f64,
     /// Preference loss: sigmoid (DPO) or ipo.
     #[arg(long, default_value = "sigmoid", value_parser = ["sigmoid", "ipo"])]
-    pub loss: String,
+    pub(crate) loss: String,
     /// cDPO label smoothing for the sigmoid loss.
     #[arg(long, default_value_t = 0.0)]
-    pub label_smoothing: f64,
+    pub(crate) label_smoothing: f64,
     /// Optimizer: sgd or adamw.
     #[arg(long, default_value = "sgd")]
-    pub optim: OptimKind,
+    pub(crate) optim: OptimKind,
     /// Learning rate.
     #[arg(long, default_value_t = 0.1)]
-    pub lr: f64,
+    pub(crate) lr: f64,
     /// AdamW weight decay.
     #[arg(long, default_value_t = 0.0)]
-    pub weight_decay: f64,
+    pub(crate) weight_decay: f64,
     /// Clip the global gradient norm.
     #[arg(long)]
-    pub max_grad_norm: Option<f64>,
+    pub(crate) max_grad_norm: Option<f64>,
     /// Pairs per optimizer step.
     #[arg(long, default_value_t = 8)]
-    pub batch_pairs: usize,
+    pub(crate) batch_pairs: usize,
     /// Pairs per forward pass (gradient accumulation); defaults to --batch-pairs.
     #[arg(long)]
-    pub micro_batch_pairs: Option<usize>,
+    pub(crate) micro_batch_pairs: Option<usize>,
 }
 
 impl DpoArgs {
-    pub fn settings(&self, pad_id: u32) -> DpoSettings {
+    pub(crate) fn settings(&self, pad_id: u32) -> DpoSettings {
         let loss = match self.loss.as_str() {
             "ipo" => LossKind::Ipo,
             _ => LossKind::Sigmoid { label_smoothing: self.label_smoothing },
@@ -66,28 +66,28 @@ impl DpoArgs {
         }
     }
 
-    pub fn optim(&self) -> OptimConfig {
+    pub(crate) fn optim(&self) -> OptimConfig {
         OptimConfig { weight_decay: self.weight_decay, max_grad_norm: self.max_grad_norm, ..OptimConfig::new(self.optim, self.lr) }
     }
 }
 
 #[derive(Debug, Args)]
-pub struct TrainLocalArgs {
+pub(crate) struct TrainLocalArgs {
     #[command(flatten)]
-    pub model: ModelArgs,
+    pub(crate) model: ModelArgs,
     #[command(flatten)]
-    pub data: DataArgs,
+    pub(crate) data: DataArgs,
     #[command(flatten)]
-    pub dpo: DpoArgs,
+    pub(crate) dpo: DpoArgs,
     /// Optimizer steps.
     #[arg(long, default_value_t = 200)]
-    pub steps: u64,
+    pub(crate) steps: u64,
     /// Write a metrics line every N steps.
     #[arg(long, default_value_t = 1)]
-    pub log_every: u64,
+    pub(crate) log_every: u64,
     /// Output directory: metrics.jsonl, summary.json, the adapter and/or model.
     #[arg(long, default_value = "runs/train-local")]
-    pub out: PathBuf,
+    pub(crate) out: PathBuf,
 }
 
 fn reference_set(policy: &Policy, model_hash: &str, pairs: Vec<fedpo_data::TokenizedPair>, cache: PathBuf, settings: &DpoSettings) -> Result<PreferenceSet> {
@@ -99,7 +99,7 @@ fn reference_set(policy: &Policy, model_hash: &str, pairs: Vec<fedpo_data::Token
     Ok(PreferenceSet { pairs, reference })
 }
 
-pub fn run(args: TrainLocalArgs) -> Result<()> {
+pub(crate) fn run(args: TrainLocalArgs) -> Result<()> {
     let device = parse_device(&args.model.device)?;
     let (policy, tokenizer) = args.model.build(&device)?;
     let data = args.data.load(args.model.seed)?;

@@ -36,7 +36,7 @@ pub(crate) enum Init {
 pub(crate) struct ParamBuilder<'a> {
     base: Option<&'a TensorSource>,
     adapter: Option<&'a TensorSource>,
-    rng: StdRng,
+    seed: u64,
     dtype: DType,
     device: Device,
     partition: Partition,
@@ -55,7 +55,7 @@ impl<'a> ParamBuilder<'a> {
         Self {
             base,
             adapter,
-            rng: StdRng::seed_from_u64(seed),
+            seed,
             dtype,
             device: device.clone(),
             partition,
@@ -79,7 +79,7 @@ impl<'a> ParamBuilder<'a> {
     pub(crate) fn base(&mut self, name: &str, shape: &[usize], init: Init) -> Result<Tensor> {
         let value = match self.base {
             Some(src) => take(src, name, shape, self.dtype, &self.device)?,
-            None => self.random(shape, init)?,
+            None => self.random(name, shape, init)?,
         };
         let role = self.partition.base_role(name);
         self.store.register(name.to_string(), role, ParamKind::Base, value)
@@ -89,29 +89,37 @@ impl<'a> ParamBuilder<'a> {
     pub(crate) fn adapter(&mut self, name: &str, shape: &[usize], init: Init) -> Result<Tensor> {
         let value = match self.adapter {
             Some(src) => take(src, name, shape, self.dtype, &self.device)?,
-            None => self.random(shape, init)?,
+            None => self.random(name, shape, init)?,
         };
         let role = self.partition.adapter_role();
         self.store.register(name.to_string(), role, ParamKind::Adapter, value)
     }
 
-    fn random(&mut self, shape: &[usize], init: Init) -> Result<Tensor> {
+    /// Each tensor draws from its own stream, keyed by the seed and its name, so a
+    /// tensor's initial value does not depend on which other tensors were loaded or drawn.
+    fn random(&self, name: &str, shape: &[usize], init: Init) -> Result<Tensor> {
+        let mut rng = StdRng::seed_from_u64(self.seed ^ fnv1a(name.as_bytes()));
         let n: usize = shape.iter().product();
         let values: Vec<f32> = match init {
             Init::Zeros => vec![0.0; n],
             Init::Ones => vec![1.0; n],
             Init::Normal(std) => {
                 let dist = Normal::new(0.0f32, std as f32).map_err(|e| ModelError::InvalidConfig(e.to_string()))?;
-                (0..n).map(|_| dist.sample(&mut self.rng)).collect()
+                (0..n).map(|_| dist.sample(&mut rng)).collect()
             }
             Init::Uniform(bound) => {
                 let b = bound as f32;
                 let dist = Uniform::new_inclusive(-b, b).map_err(|e| ModelError::InvalidConfig(e.to_string()))?;
-                (0..n).map(|_| dist.sample(&mut self.rng)).collect()
+                (0..n).map(|_| dist.sample(&mut rng)).collect()
             }
         };
         Ok(Tensor::from_vec(values, shape, &self.device)?.to_dtype(self.dtype)?)
     }
+}
+
+/// 64-bit FNV-1a: a stable, dependency-free hash of a tensor name.
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
 }
 
 fn take(src: &TensorSource, name: &str, shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {

@@ -1,0 +1,175 @@
+//! `fedpo-device bench`: the DPO step benchmark, flag-for-flag with the peer script
+//! `dpo_step_bench.py` (PyTorch + transformers + PEFT), printing one JSON object with the
+//! same keys so the two can be compared as ratios in one session.
+//!
+//! A timed step is what the peer times: one forward of P chosen + P rejected sequences
+//! (prompt + response tokens each, no padding), response log-probs, sigmoid DPO against
+//! reference log-probs computed once, backward and an optimizer step. The model is
+//! randomly initialised; LoRA r8 / alpha 16 on `c_attn`. By default the base trains too
+//! (pFedDPO); `--base-frozen` trains the adapter only.
+
+use std::time::Instant;
+
+use anyhow::Result;
+use candle_core::{DType, Device};
+use clap::Args;
+use fedpo_data::TokenizedPair;
+use fedpo_model::{Gpt2Config, LoraConfig, Partition, PartitionPreset, Policy, PolicySpec};
+use fedpo_train::{compute_reference, DpoSettings, LocalTrainer, LossKind, OptimConfig, OptimKind, PreferenceSet};
+use rand::{Rng, SeedableRng};
+use serde_json::json;
+
+use crate::allocator::peak_rss_mb;
+
+#[derive(Debug, Args)]
+pub(crate) struct BenchArgs {
+    /// n_layer 2, n_embd 128, n_head 4 (vocab 50257) instead of the DistilGPT-2 shape.
+    #[arg(long)]
+    pub(crate) tiny: bool,
+    /// Classic LoRA: only the adapter trains.
+    #[arg(long)]
+    pub(crate) base_frozen: bool,
+    /// Preference pairs per step (batch = 2P sequences).
+    #[arg(long, short = 'P', default_value_t = 4)]
+    pub(crate) pairs: usize,
+    /// Prompt tokens per sequence.
+    #[arg(long, default_value_t = 64)]
+    pub(crate) prompt_len: usize,
+    /// Response tokens per sequence.
+    #[arg(long, default_value_t = 64)]
+    pub(crate) resp_len: usize,
+    /// Untimed warm-up steps.
+    #[arg(long, short = 'W', default_value_t = 2)]
+    pub(crate) warmup: usize,
+    /// Timed steps.
+    #[arg(long, short = 'N', default_value_t = 8)]
+    pub(crate) steps: usize,
+    /// Optimizer: sgd or adamw.
+    #[arg(long, default_value = "sgd")]
+    pub(crate) optim: OptimKind,
+    /// Learning rate.
+    #[arg(long, default_value_t = 1e-3)]
+    pub(crate) lr: f64,
+    /// DPO beta.
+    #[arg(long, default_value_t = 0.2)]
+    pub(crate) beta: f64,
+    /// Seed of the model and the token batch.
+    #[arg(long, default_value_t = 0)]
+    pub(crate) seed: u64,
+}
+
+fn median(xs: &[f64]) -> f64 {
+    let mut v = xs.to_vec();
+    v.sort_by(|a, b| a.total_cmp(b));
+    let n = v.len();
+    if n == 0 {
+        return f64::NAN;
+    }
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        0.5 * (v[n / 2 - 1] + v[n / 2])
+    }
+}
+
+/// Matmul FLOPs of one step (1 FMA = 2 FLOPs), the peer's formula with the head applied to
+/// response positions only (as fedpo does).
+fn step_flops(cfg: &Gpt2Config, r: usize, seqs: usize, seq_len: usize, head_tokens: usize, base_trainable: bool) -> f64 {
+    let (l, d, v) = (cfg.n_layer as f64, cfg.n_embd as f64, cfg.vocab_size as f64);
+    let t = (seqs * seq_len) as f64;
+    let lin = t * l * 2.0 * 12.0 * d * d;
+    let attn = t * l * 2.0 * 2.0 * d * (seq_len as f64 / 2.0);
+    let lora = t * l * 2.0 * (d * r as f64 + r as f64 * 3.0 * d);
+    let head = head_tokens as f64 * 2.0 * d * v;
+    let fwd = lin + attn + lora + head;
+    let bwd = if base_trainable { 2.0 * fwd } else { lin + 2.0 * attn + 2.0 * lora + head };
+    fwd + bwd
+}
+
+pub(crate) fn run(args: BenchArgs) -> Result<()> {
+    anyhow::ensure!(args.pairs > 0 && args.steps > 0, "--pairs and --steps must be at least 1");
+    anyhow::ensure!(args.prompt_len > 0 && args.resp_len > 0, "--prompt-len and --resp-len must be at least 1");
+    let device = Device::Cpu;
+    let config = if args.tiny { Gpt2Config::tiny() } else { Gpt2Config::distilgpt2() };
+    anyhow::ensure!(
+        args.prompt_len + args.resp_len <= config.n_positions,
+        "--prompt-len + --resp-len = {} exceeds the model's {} positions",
+        args.prompt_len + args.resp_len,
+        config.n_positions
+    );
+    let preset = if args.base_frozen { PartitionPreset::SharedLora } else { PartitionPreset::Pfeddpo };
+    let spec = PolicySpec { config: config.clone(), lora: Some(LoraConfig::default()), partition: Partition::new(preset) };
+    let t_build = Instant::now();
+    let policy = Policy::build(spec, None, None, args.seed, DType::F32, &device)?;
+    let build_s = t_build.elapsed().as_secs_f64();
+
+    let mut rng = rand::rngs::StdRng::seed_from_u64(args.seed + 1);
+    let vocab = config.vocab_size as u32;
+    let mut ids = |n: usize| -> Vec<u32> { (0..n).map(|_| rng.random_range(0..vocab)).collect() };
+    let pairs: Vec<TokenizedPair> = (0..args.pairs)
+        .map(|_| TokenizedPair { prompt: ids(args.prompt_len), chosen: ids(args.resp_len), rejected: ids(args.resp_len) })
+        .collect();
+    let settings = DpoSettings {
+        beta: args.beta,
+        loss: LossKind::default(),
+        batch_pairs: args.pairs,
+        micro_batch_pairs: args.pairs,
+        pad_id: vocab - 1,
+    };
+    let t_ref = Instant::now();
+    let reference = compute_reference(&policy, &pairs, args.pairs, settings.pad_id)?;
+    let ref_s = t_ref.elapsed().as_secs_f64();
+    let data = PreferenceSet { pairs, reference };
+    let mut trainer = LocalTrainer::new(settings, OptimConfig::new(args.optim, args.lr), args.seed)?;
+
+    let mut losses = Vec::new();
+    for _ in 0..args.warmup {
+        losses.push(trainer.step(&policy, &data)?.loss);
+    }
+    let rss_before_timed = peak_rss_mb();
+    let mut times = Vec::with_capacity(args.steps);
+    for _ in 0..args.steps {
+        let t0 = Instant::now();
+        losses.push(trainer.step(&policy, &data)?.loss);
+        times.push(t0.elapsed().as_secs_f64());
+    }
+    let med = median(&times);
+    let seq_len = args.prompt_len + args.resp_len;
+    let tokens = 2 * args.pairs * seq_len;
+    let flops = step_flops(&config, 8, 2 * args.pairs, seq_len, 2 * args.pairs * args.resp_len, !args.base_frozen);
+    let n_total: usize = policy.params.iter().map(|p| p.tensor().elem_count()).sum();
+    let n_train: usize = policy.params.trainable().map(|p| p.tensor().elem_count()).sum();
+    let report = json!({
+        "implementation": "fedpo",
+        "config": if args.tiny { "tiny" } else { "distilgpt2" },
+        "model": { "n_layer": config.n_layer, "n_embd": config.n_embd, "n_head": config.n_head,
+                   "vocab_size": config.vocab_size, "n_positions": config.n_positions },
+        "base_trainable": !args.base_frozen,
+        "params_total": n_total, "params_trainable": n_train,
+        "optimizer": args.optim, "lr": args.lr, "beta": args.beta,
+        "pairs": args.pairs, "prompt_len": args.prompt_len, "resp_len": args.resp_len,
+        "seqs_per_step": 2 * args.pairs, "tokens_per_step": tokens, "logits_to_keep": true,
+        "warmup_steps": args.warmup, "timed_steps": args.steps,
+        "seconds_per_step_median": med,
+        "seconds_per_step_min": times.iter().copied().fold(f64::INFINITY, f64::min),
+        "seconds_per_step_max": times.iter().copied().fold(0.0, f64::max),
+        "step_times": times.iter().map(|t| (t * 1e4).round() / 1e4).collect::<Vec<_>>(),
+        "pairs_per_second": args.pairs as f64 / med,
+        "tokens_per_second": tokens as f64 / med,
+        "response_tokens_per_second": (2 * args.pairs * args.resp_len) as f64 / med,
+        "ref_logps_precompute_seconds": ref_s,
+        "model_build_seconds": build_s,
+        "loss_first": losses.first(), "loss_last": losses.last(),
+        "peak_rss_mb": peak_rss_mb(),
+        "peak_rss_mb_before_timed_steps": rss_before_timed,
+        "threads": rayon_threads(),
+        "flops_per_step": flops,
+        "achieved_gflops": flops / med / 1e9,
+    });
+    println!("{}", serde_json::to_string_pretty(&report)?);
+    Ok(())
+}
+
+fn rayon_threads() -> usize {
+    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+}
