@@ -250,7 +250,9 @@ mod tests {
 
     #[test]
     fn forced_format_overrides_detection() {
-        let f = write(&[r#"{"prompt": "ignored", "chosen": "\n\nHuman: Q\n\nAssistant: a", "rejected": "\n\nHuman: Q\n\nAssistant: b"}"#]);
+        let f = write(&[
+            r#"{"prompt": "ignored", "chosen": "\n\nHuman: Q\n\nAssistant: a", "rejected": "\n\nHuman: Q\n\nAssistant: b"}"#,
+        ]);
         let loaded = load_jsonl(f.path(), Some(DataFormat::HhRlhf), false).unwrap();
         assert_eq!(loaded.pairs[0].chosen, " a");
     }

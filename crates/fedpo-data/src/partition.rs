@@ -44,7 +44,12 @@ pub fn split_by_key(pairs: Vec<PreferencePair>) -> Vec<(String, Vec<PreferencePa
 /// Label-skewed split: for each key (domain), device proportions are drawn from
 /// Dirichlet(alpha). Small alpha gives each device few domains; large alpha approaches
 /// an equal split. Without keys this is a quantity skew. Every device gets at least one pair.
-pub fn split_dirichlet(pairs: Vec<PreferencePair>, n: usize, alpha: f64, seed: u64) -> Result<Vec<Vec<PreferencePair>>> {
+pub fn split_dirichlet(
+    pairs: Vec<PreferencePair>,
+    n: usize,
+    alpha: f64,
+    seed: u64,
+) -> Result<Vec<Vec<PreferencePair>>> {
     check_devices(n, pairs.len())?;
     if !(alpha.is_finite() && alpha > 0.0) {
         return Err(DataError::Invalid(format!("Dirichlet alpha must be positive, got {alpha}")));

@@ -67,7 +67,8 @@ impl Persona {
     }
 
     fn utility(&self, r: &ResponseStyle) -> i32 {
-        let style: i32 = self.signs.iter().zip(r.poles).map(|(&s, first)| if first { s as i32 } else { -(s as i32) }).sum();
+        let style: i32 =
+            self.signs.iter().zip(r.poles).map(|(&s, first)| if first { s as i32 } else { -(s as i32) }).sum();
         2 * (r.helpful as i32) + style
     }
 }
@@ -90,36 +91,105 @@ const fn task(what: &'static str, steps: [&'static str; 3]) -> Task {
 }
 
 const TASKS: &[Task] = &[
-    task("brew a cup of tea", ["boil fresh water", "steep the leaves for three minutes", "strain and add milk if you like"]),
-    task("plant tomato seedlings", ["pick a sunny spot", "bury the stem up to the first leaves", "water deeply at the base"]),
-    task("back up my laptop", ["plug in an external drive", "turn on the system backup tool", "check that a restore works"]),
-    task("learn to juggle", ["start with one ball", "throw in a steady arc at eye level", "add the third ball after a week"]),
+    task(
+        "brew a cup of tea",
+        ["boil fresh water", "steep the leaves for three minutes", "strain and add milk if you like"],
+    ),
+    task(
+        "plant tomato seedlings",
+        ["pick a sunny spot", "bury the stem up to the first leaves", "water deeply at the base"],
+    ),
+    task(
+        "back up my laptop",
+        ["plug in an external drive", "turn on the system backup tool", "check that a restore works"],
+    ),
+    task(
+        "learn to juggle",
+        ["start with one ball", "throw in a steady arc at eye level", "add the third ball after a week"],
+    ),
     task("fix a squeaky door", ["find the noisy hinge", "lift the pin halfway", "oil it and swing the door"]),
     task("make a budget", ["list your monthly income", "write down every fixed cost", "set limits for the rest"]),
-    task("clean a cast iron pan", ["rinse it with hot water", "scrub with coarse salt", "dry it and rub in a little oil"]),
-    task("train for a 5k run", ["run three times a week", "mix easy runs with short intervals", "rest fully before race day"]),
-    task("write a cover letter", ["read the job ad closely", "match two stories to its needs", "keep it under one page"]),
-    task("bake sourdough bread", ["feed the starter the night before", "fold the dough every half hour", "bake it hot in a covered pot"]),
-    task("set up a home network", ["place the router centrally", "change the admin password", "use WPA3 with a long passphrase"]),
-    task("care for a succulent", ["give it bright light", "water only when the soil is dry", "use a pot with drainage"]),
-    task("prepare for a job interview", ["research the company", "practise answers out loud", "prepare questions to ask"]),
-    task("change a bike tire", ["release the brake and remove the wheel", "lever the tire off the rim", "seat the new tube and inflate"]),
-    task("start meditating", ["sit comfortably for five minutes", "follow your breath", "return gently when your mind wanders"]),
+    task(
+        "clean a cast iron pan",
+        ["rinse it with hot water", "scrub with coarse salt", "dry it and rub in a little oil"],
+    ),
+    task(
+        "train for a 5k run",
+        ["run three times a week", "mix easy runs with short intervals", "rest fully before race day"],
+    ),
+    task(
+        "write a cover letter",
+        ["read the job ad closely", "match two stories to its needs", "keep it under one page"],
+    ),
+    task(
+        "bake sourdough bread",
+        ["feed the starter the night before", "fold the dough every half hour", "bake it hot in a covered pot"],
+    ),
+    task(
+        "set up a home network",
+        ["place the router centrally", "change the admin password", "use WPA3 with a long passphrase"],
+    ),
+    task(
+        "care for a succulent",
+        ["give it bright light", "water only when the soil is dry", "use a pot with drainage"],
+    ),
+    task(
+        "prepare for a job interview",
+        ["research the company", "practise answers out loud", "prepare questions to ask"],
+    ),
+    task(
+        "change a bike tire",
+        ["release the brake and remove the wheel", "lever the tire off the rim", "seat the new tube and inflate"],
+    ),
+    task(
+        "start meditating",
+        ["sit comfortably for five minutes", "follow your breath", "return gently when your mind wanders"],
+    ),
     task("paint a room", ["move furniture and cover the floor", "tape the edges", "apply two thin coats"]),
-    task("improve my sleep", ["keep a fixed wake-up time", "avoid screens before bed", "keep the bedroom cool and dark"]),
-    task("make cold brew coffee", ["grind the beans coarsely", "steep them in cold water overnight", "filter and dilute to taste"]),
-    task("organize my closet", ["empty it completely", "donate what you have not worn in a year", "group the rest by type"]),
-    task("remove a coffee stain", ["blot it right away", "rinse from the back with cold water", "treat it with a drop of dish soap"]),
+    task(
+        "improve my sleep",
+        ["keep a fixed wake-up time", "avoid screens before bed", "keep the bedroom cool and dark"],
+    ),
+    task(
+        "make cold brew coffee",
+        ["grind the beans coarsely", "steep them in cold water overnight", "filter and dilute to taste"],
+    ),
+    task(
+        "organize my closet",
+        ["empty it completely", "donate what you have not worn in a year", "group the rest by type"],
+    ),
+    task(
+        "remove a coffee stain",
+        ["blot it right away", "rinse from the back with cold water", "treat it with a drop of dish soap"],
+    ),
     task("study for an exam", ["make a schedule", "test yourself with past questions", "sleep well the night before"]),
     task("write a good email subject", ["state the topic", "add any deadline", "keep it under eight words"]),
-    task("descale a kettle", ["fill it with equal parts vinegar and water", "boil and let it stand an hour", "rinse it several times"]),
-    task("teach a dog to sit", ["hold a treat above its nose", "move it back over the head", "reward the moment it sits"]),
+    task(
+        "descale a kettle",
+        ["fill it with equal parts vinegar and water", "boil and let it stand an hour", "rinse it several times"],
+    ),
+    task(
+        "teach a dog to sit",
+        ["hold a treat above its nose", "move it back over the head", "reward the moment it sits"],
+    ),
     task("start a compost pile", ["choose a shady corner", "layer greens and browns", "turn it every two weeks"]),
     task("speed up a slow computer", ["restart it", "remove startup programs you do not need", "free up disk space"]),
-    task("make a paper airplane", ["fold a sheet in half lengthwise", "fold the top corners to the center", "fold the wings down evenly"]),
-    task("prepare a simple salad dressing", ["mix three parts oil with one part vinegar", "add a pinch of salt", "shake it in a jar"]),
-    task("wash a wool sweater", ["use cool water and wool detergent", "press the water out gently", "dry it flat on a towel"]),
-    task("give a short presentation", ["open with the main point", "use three supporting ideas", "end with a clear ask"]),
+    task(
+        "make a paper airplane",
+        ["fold a sheet in half lengthwise", "fold the top corners to the center", "fold the wings down evenly"],
+    ),
+    task(
+        "prepare a simple salad dressing",
+        ["mix three parts oil with one part vinegar", "add a pinch of salt", "shake it in a jar"],
+    ),
+    task(
+        "wash a wool sweater",
+        ["use cool water and wool detergent", "press the water out gently", "dry it flat on a towel"],
+    ),
+    task(
+        "give a short presentation",
+        ["open with the main point", "use three supporting ideas", "end with a clear ask"],
+    ),
 ];
 
 const DEFLECTION: [&str; 3] = ["search online for a guide", "ask someone who has done it", "try whatever seems right"];
@@ -172,7 +242,8 @@ fn is_heldout_task(i: usize) -> bool {
 }
 
 fn pairs_for(persona: &Persona, heldout: bool, count: usize, rng: &mut StdRng) -> Vec<PreferencePair> {
-    let tasks: Vec<&Task> = TASKS.iter().enumerate().filter(|(i, _)| is_heldout_task(*i) == heldout).map(|(_, t)| t).collect();
+    let tasks: Vec<&Task> =
+        TASKS.iter().enumerate().filter(|(i, _)| is_heldout_task(*i) == heldout).map(|(_, t)| t).collect();
     let mut pairs = Vec::with_capacity(count);
     while pairs.len() < count {
         let task = tasks.choose(rng).copied().unwrap_or(&TASKS[0]);
@@ -250,7 +321,10 @@ mod tests {
         for id in 0..4 {
             let p = Persona::new(id, 1.0).unwrap();
             let poles = [true, false, true, false];
-            assert!(p.utility(&ResponseStyle { helpful: true, poles }) > p.utility(&ResponseStyle { helpful: false, poles }));
+            assert!(
+                p.utility(&ResponseStyle { helpful: true, poles })
+                    > p.utility(&ResponseStyle { helpful: false, poles })
+            );
         }
     }
 

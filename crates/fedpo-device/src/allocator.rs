@@ -12,7 +12,9 @@ pub(crate) fn keep_freed_memory_in_heap() {
     // SAFETY: mallopt only changes allocator parameters; called before other threads start.
     unsafe {
         libc::mallopt(libc::M_MMAP_MAX, 0);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
+        // -1 disables trimming (mallopt(3)); a positive int caps the threshold at 2 GiB,
+        // below a DistilGPT-2 step's heap, and the top of the heap would still be returned.
+        libc::mallopt(libc::M_TRIM_THRESHOLD, -1);
     }
 }
 

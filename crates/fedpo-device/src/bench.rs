@@ -74,7 +74,14 @@ fn median(xs: &[f64]) -> f64 {
 
 /// Matmul FLOPs of one step (1 FMA = 2 FLOPs), the peer's formula with the head applied to
 /// response positions only (as fedpo does).
-fn step_flops(cfg: &Gpt2Config, r: usize, seqs: usize, seq_len: usize, head_tokens: usize, base_trainable: bool) -> f64 {
+fn step_flops(
+    cfg: &Gpt2Config,
+    r: usize,
+    seqs: usize,
+    seq_len: usize,
+    head_tokens: usize,
+    base_trainable: bool,
+) -> f64 {
     let (l, d, v) = (cfg.n_layer as f64, cfg.n_embd as f64, cfg.vocab_size as f64);
     let t = (seqs * seq_len) as f64;
     let lin = t * l * 2.0 * 12.0 * d * d;
@@ -98,7 +105,8 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
         config.n_positions
     );
     let preset = if args.base_frozen { PartitionPreset::SharedLora } else { PartitionPreset::Pfeddpo };
-    let spec = PolicySpec { config: config.clone(), lora: Some(LoraConfig::default()), partition: Partition::new(preset) };
+    let spec =
+        PolicySpec { config: config.clone(), lora: Some(LoraConfig::default()), partition: Partition::new(preset) };
     let t_build = Instant::now();
     let policy = Policy::build(spec, None, None, args.seed, DType::F32, &device)?;
     let build_s = t_build.elapsed().as_secs_f64();
@@ -107,7 +115,11 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
     let vocab = config.vocab_size as u32;
     let mut ids = |n: usize| -> Vec<u32> { (0..n).map(|_| rng.random_range(0..vocab)).collect() };
     let pairs: Vec<TokenizedPair> = (0..args.pairs)
-        .map(|_| TokenizedPair { prompt: ids(args.prompt_len), chosen: ids(args.resp_len), rejected: ids(args.resp_len) })
+        .map(|_| TokenizedPair {
+            prompt: ids(args.prompt_len),
+            chosen: ids(args.resp_len),
+            rejected: ids(args.resp_len),
+        })
         .collect();
     let settings = DpoSettings {
         beta: args.beta,

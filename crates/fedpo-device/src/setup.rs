@@ -55,7 +55,9 @@ pub(crate) fn parse_device(spec: &str) -> Result<Device> {
         "cpu" => Ok(Device::Cpu),
         "cuda" if cfg!(feature = "cuda") => Ok(Device::new_cuda(ordinal)?),
         "metal" if cfg!(feature = "metal") => Ok(Device::new_metal(ordinal)?),
-        "cuda" | "metal" => bail!("this fedpo-device was built without `{kind}` support; rebuild with `--features {kind}`"),
+        "cuda" | "metal" => {
+            bail!("this fedpo-device was built without `{kind}` support; rebuild with `--features {kind}`")
+        }
         _ => bail!("unknown device `{spec}`; expected cpu, cuda[:N] or metal"),
     }
 }
@@ -70,7 +72,9 @@ impl ModelArgs {
     pub(crate) fn build(&self, device: &Device) -> Result<(Policy, Gpt2Tokenizer)> {
         let partition = Partition { preset: self.partition, freeze_embeddings: self.freeze_embeddings };
         let adapter = match &self.adapter {
-            Some(path) => Some(load_adapter(path, device).with_context(|| format!("loading adapter {}", path.display()))?),
+            Some(path) => {
+                Some(load_adapter(path, device).with_context(|| format!("loading adapter {}", path.display()))?)
+            }
             None => None,
         };
         let lora = match &adapter {
@@ -82,7 +86,10 @@ impl ModelArgs {
             None => {
                 let dir = Path::new(&self.model);
                 let ckpt = load_hf_dir(dir, device).with_context(|| {
-                    format!("--model `{}` is neither a preset (tiny, distilgpt2) nor a loadable HF directory", self.model)
+                    format!(
+                        "--model `{}` is neither a preset (tiny, distilgpt2) nor a loadable HF directory",
+                        self.model
+                    )
                 })?;
                 let tokenizer = match &ckpt.tokenizer_path {
                     Some(p) => Gpt2Tokenizer::from_file(p)?,
@@ -98,7 +105,8 @@ impl ModelArgs {
             bail!("the tokenizer has {} tokens but the model only {}", tokenizer.vocab_size(), config.vocab_size);
         }
         let spec = PolicySpec { config, lora: Some(lora), partition };
-        let policy = Policy::build(spec, base.as_ref(), adapter.as_ref().map(|a| &a.tensors), self.seed, DType::F32, device)?;
+        let policy =
+            Policy::build(spec, base.as_ref(), adapter.as_ref().map(|a| &a.tensors), self.seed, DType::F32, device)?;
         Ok((policy, tokenizer))
     }
 }
@@ -176,7 +184,12 @@ impl DataArgs {
 }
 
 /// Tokenizes pairs for the policy's context.
-pub(crate) fn tokenize(pairs: &[PreferencePair], tokenizer: &Gpt2Tokenizer, max_len: usize, n_positions: usize) -> Result<Vec<TokenizedPair>> {
+pub(crate) fn tokenize(
+    pairs: &[PreferencePair],
+    tokenizer: &Gpt2Tokenizer,
+    max_len: usize,
+    n_positions: usize,
+) -> Result<Vec<TokenizedPair>> {
     if max_len > n_positions {
         bail!("--max-len {max_len} exceeds the model's {n_positions} positions");
     }

@@ -9,10 +9,10 @@ use clap::Args;
 use fedpo_data::fingerprint;
 use fedpo_model::checkpoint::{save_adapter, save_model_dir};
 use fedpo_model::io::{hash_tensors, write_atomic};
-use fedpo_model::{ParamKind, Policy};
+use fedpo_model::{ParamKind, ParamRole, Policy};
 use fedpo_train::{
-    compute_reference, evaluate, load_or_compute_reference, DpoSettings, EvalMetrics, LocalTrainer, LossKind, OptimConfig,
-    OptimKind, PreferenceSet,
+    compute_reference, evaluate, load_or_compute_reference, DpoSettings, EvalMetrics, LocalTrainer, LossKind,
+    OptimConfig, OptimKind, PreferenceSet,
 };
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
@@ -67,7 +67,11 @@ impl DpoArgs {
     }
 
     pub(crate) fn optim(&self) -> OptimConfig {
-        OptimConfig { weight_decay: self.weight_decay, max_grad_norm: self.max_grad_norm, ..OptimConfig::new(self.optim, self.lr) }
+        OptimConfig {
+            weight_decay: self.weight_decay,
+            max_grad_norm: self.max_grad_norm,
+            ..OptimConfig::new(self.optim, self.lr)
+        }
     }
 }
 
@@ -90,7 +94,13 @@ pub(crate) struct TrainLocalArgs {
     pub(crate) out: PathBuf,
 }
 
-fn reference_set(policy: &Policy, model_hash: &str, pairs: Vec<fedpo_data::TokenizedPair>, cache: PathBuf, settings: &DpoSettings) -> Result<PreferenceSet> {
+fn reference_set(
+    policy: &Policy,
+    model_hash: &str,
+    pairs: Vec<fedpo_data::TokenizedPair>,
+    cache: PathBuf,
+    settings: &DpoSettings,
+) -> Result<PreferenceSet> {
     let fp = fingerprint(&pairs);
     let (reference, hit) = load_or_compute_reference(&cache, model_hash, &fp, || {
         compute_reference(policy, &pairs, settings.batch_pairs, settings.pad_id)
@@ -127,7 +137,8 @@ pub(crate) fn run(args: TrainLocalArgs) -> Result<()> {
     let before_heldout = evaluate(&policy, &heldout, &settings)?;
     let mut trainer = LocalTrainer::new(settings, args.dpo.optim(), args.model.seed)?;
     let metrics_path = args.out.join("metrics.jsonl");
-    let mut metrics = BufWriter::new(File::create(&metrics_path).with_context(|| format!("creating {}", metrics_path.display()))?);
+    let mut metrics =
+        BufWriter::new(File::create(&metrics_path).with_context(|| format!("creating {}", metrics_path.display()))?);
     let bar = ProgressBar::new(args.steps);
     bar.set_style(ProgressStyle::with_template("{bar:30} {pos}/{len} steps [{elapsed_precise}<{eta_precise}] {msg}")?);
     for _ in 0..args.steps {
@@ -145,13 +156,23 @@ pub(crate) fn run(args: TrainLocalArgs) -> Result<()> {
     }
     bar.finish_and_clear();
 
+    // Optimizer state of the private parameters: what a device keeps between rounds.
+    let private: Vec<&str> = policy.params.with_role(ParamRole::Private).map(|p| p.name.as_str()).collect();
+    if args.dpo.optim == OptimKind::Adamw && !private.is_empty() {
+        trainer.optimizer_mut().save_state(&args.out.join("optimizer.safetensors"), &private)?;
+    }
+
     let after_train = evaluate(&policy, &train, &settings)?;
     let after_heldout = evaluate(&policy, &heldout, &settings)?;
     save_outputs(&policy, &tokenizer, &args, &before_train, &before_heldout, &after_train, &after_heldout)?;
     println!(
         "reward accuracy  train {:.3} -> {:.3}   held-out {:.3} -> {:.3}   (loss {:.4} -> {:.4})",
-        before_train.reward_acc, after_train.reward_acc, before_heldout.reward_acc, after_heldout.reward_acc,
-        before_train.loss, after_train.loss
+        before_train.reward_acc,
+        after_train.reward_acc,
+        before_heldout.reward_acc,
+        after_heldout.reward_acc,
+        before_train.loss,
+        after_train.loss
     );
     println!("wrote {}", args.out.display());
     Ok(())

@@ -59,7 +59,10 @@ pub fn normalize_gpt2_names(raw: HashMap<String, Tensor>) -> HashMap<String, Ten
 /// Loads `config.json` and `model.safetensors` from an HF GPT-2 directory.
 pub fn load_hf_dir(dir: &Path, device: &Device) -> Result<HfCheckpoint> {
     if !dir.is_dir() {
-        return Err(ModelError::io(dir, std::io::Error::new(std::io::ErrorKind::NotFound, "model directory not found")));
+        return Err(ModelError::io(
+            dir,
+            std::io::Error::new(std::io::ErrorKind::NotFound, "model directory not found"),
+        ));
     }
     let config = Gpt2Config::from_json_file(&dir.join("config.json"))?;
     let weights_path = dir.join("model.safetensors");
@@ -142,7 +145,8 @@ pub fn save_model_dir(policy: &Policy, dir: &Path) -> Result<()> {
     write_atomic(&dir.join("config.json"), &config)?;
     let tensors: Vec<(String, Tensor)> =
         policy.params.with_kind(ParamKind::Base).map(|p| (p.name.clone(), p.tensor().clone())).collect();
-    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+    let metadata =
+        HashMap::from([("format".to_string(), "pt".to_string()), ("fedpo_base_hash".to_string(), base_hash(policy)?)]);
     write_safetensors(&dir.join("model.safetensors"), &tensors, metadata)
 }
 

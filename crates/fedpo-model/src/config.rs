@@ -78,8 +78,8 @@ impl Gpt2Config {
     /// Reads and validates an HF `config.json`.
     pub fn from_json_file(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).map_err(|e| ModelError::io(path, e))?;
-        let cfg: Self = serde_json::from_str(&text)
-            .map_err(|source| ModelError::Json { path: path.to_path_buf(), source })?;
+        let cfg: Self =
+            serde_json::from_str(&text).map_err(|source| ModelError::Json { path: path.to_path_buf(), source })?;
         cfg.validate()?;
         Ok(cfg)
     }
@@ -100,10 +100,7 @@ impl Gpt2Config {
             return bad("vocab_size and n_positions must be positive".to_string());
         }
         if !matches!(self.activation_function.as_str(), "gelu_new" | "gelu_pytorch_tanh") {
-            return bad(format!(
-                "activation_function `{}` is not supported (only gelu_new)",
-                self.activation_function
-            ));
+            return bad(format!("activation_function `{}` is not supported (only gelu_new)", self.activation_function));
         }
         Ok(())
     }

@@ -84,11 +84,8 @@ impl Conv1D {
         let fan_in = out_dims.pop().unwrap_or(0);
         let rows: usize = out_dims.iter().product();
         let x2 = x.reshape((rows, fan_in))?;
-        let mut y = if self.weight_frozen {
-            ops::matmul_frozen_rhs(&x2, &self.weight)?
-        } else {
-            x2.matmul(&self.weight)?
-        };
+        let mut y =
+            if self.weight_frozen { ops::matmul_frozen_rhs(&x2, &self.weight)? } else { x2.matmul(&self.weight)? };
         y = y.broadcast_add(&self.bias)?;
         if let Some(lora) = &self.lora {
             y = (y + lora.forward(&x2)?)?;
@@ -204,7 +201,16 @@ impl Gpt2 {
         let wpe = b.base("wpe.weight", &[cfg.n_positions, d], Init::Normal(0.01))?;
         let h = (0..cfg.n_layer).map(|i| Block::load(b, i, cfg, lora)).collect::<Result<Vec<_>>>()?;
         let ln_f = LayerNorm::load(b, "ln_f", cfg)?;
-        Ok(Self { wte, wpe, h, ln_f, wte_frozen, n_positions: cfg.n_positions, dtype: b.dtype(), device: b.device().clone() })
+        Ok(Self {
+            wte,
+            wpe,
+            h,
+            ln_f,
+            wte_frozen,
+            n_positions: cfg.n_positions,
+            dtype: b.dtype(),
+            device: b.device().clone(),
+        })
     }
 
     /// Final hidden states `[batch, seq, n_embd]` for token ids `[batch, seq]` (u32).

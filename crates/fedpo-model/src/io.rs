@@ -62,18 +62,13 @@ pub fn read_safetensors(path: &Path, device: &Device) -> Result<SafetensorsFile>
         let t = view.load(device).map_err(|e| st_err(format!("tensor `{name}`: {e}")))?;
         tensors.insert(name, t);
     }
-    Ok(SafetensorsFile {
-        tensors: TensorSource { tensors, description: path.display().to_string() },
-        metadata,
-    })
+    Ok(SafetensorsFile { tensors: TensorSource { tensors, description: path.display().to_string() }, metadata })
 }
 
 /// Writes named tensors with metadata as one safetensors file, atomically.
 pub fn write_safetensors(path: &Path, tensors: &[(String, Tensor)], metadata: HashMap<String, String>) -> Result<()> {
-    let contiguous = tensors
-        .iter()
-        .map(|(n, t)| Ok((n.clone(), t.contiguous()?)))
-        .collect::<Result<Vec<(String, Tensor)>>>()?;
+    let contiguous =
+        tensors.iter().map(|(n, t)| Ok((n.clone(), t.contiguous()?))).collect::<Result<Vec<(String, Tensor)>>>()?;
     let bytes = safetensors::serialize(contiguous.iter().map(|(n, t)| (n.as_str(), t)), Some(metadata))
         .map_err(|e| ModelError::Safetensors { path: path.to_path_buf(), reason: e.to_string() })?;
     write_atomic(path, &bytes)

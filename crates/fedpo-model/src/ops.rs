@@ -127,14 +127,24 @@ impl CustomOp2 for TokenLogProbs {
             candle_core::bail!("token-logprobs: {rows} logit rows but {} targets", targets.len());
         }
         let out = match s1 {
-            CpuStorage::F32(_) => CpuStorage::F32(token_logprobs_cpu(contiguous_slice::<f32>(s1, l1, self.name())?, targets, vocab)?),
-            CpuStorage::F64(_) => CpuStorage::F64(token_logprobs_cpu(contiguous_slice::<f64>(s1, l1, self.name())?, targets, vocab)?),
+            CpuStorage::F32(_) => {
+                CpuStorage::F32(token_logprobs_cpu(contiguous_slice::<f32>(s1, l1, self.name())?, targets, vocab)?)
+            }
+            CpuStorage::F64(_) => {
+                CpuStorage::F64(token_logprobs_cpu(contiguous_slice::<f64>(s1, l1, self.name())?, targets, vocab)?)
+            }
             other => candle_core::bail!("token-logprobs: unsupported dtype {:?}", other.dtype()),
         };
         Ok((out, Shape::from(rows)))
     }
 
-    fn bwd(&self, logits: &Tensor, targets: &Tensor, res: &Tensor, grad: &Tensor) -> CResult<(Option<Tensor>, Option<Tensor>)> {
+    fn bwd(
+        &self,
+        logits: &Tensor,
+        targets: &Tensor,
+        res: &Tensor,
+        grad: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
         let grad_logits = logits.apply_op3_no_bwd(targets, &Tensor::stack(&[res, grad], 0)?, &TokenLogProbsGrad)?;
         Ok((Some(grad_logits), None))
     }

@@ -71,17 +71,18 @@ impl fmt::Display for PartitionPreset {
 impl FromStr for PartitionPreset {
     type Err = String;
     fn from_str(s: &str) -> std::result::Result<Self, String> {
-        Self::ALL.into_iter().find(|p| p.name() == s).ok_or_else(|| {
-            format!("unknown partition `{s}`; expected one of pfeddpo, feddpo, shared-lora")
-        })
+        Self::ALL
+            .into_iter()
+            .find(|p| p.name() == s)
+            .ok_or_else(|| format!("unknown partition `{s}`; expected one of pfeddpo, feddpo, shared-lora"))
     }
 }
 
 /// A preset plus the option to freeze the token and position embeddings.
 ///
-/// Freezing `wte`/`wpe` matters on small devices: with the GPT-2 vocabulary the token
-/// table is 38.6 M of DistilGPT-2's 82 M parameters, so freezing it more than halves the
-/// upload and the optimizer state.
+/// Freezing `wte`/`wpe` matters on small devices: with the GPT-2 vocabulary they hold
+/// 39.4 M of DistilGPT-2's 81.9 M parameters (48 %), so freezing them nearly halves the
+/// upload, the gradients and the optimizer state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Partition {
     /// The method's preset.
@@ -169,13 +170,7 @@ pub struct ParamStore {
 impl ParamStore {
     /// Registers a tensor; trainable roles turn it into a [`Var`].
     /// Returns the tensor the model should use in its forward pass.
-    pub(crate) fn register(
-        &mut self,
-        name: String,
-        role: ParamRole,
-        kind: ParamKind,
-        value: Tensor,
-    ) -> Result<Tensor> {
+    pub(crate) fn register(&mut self, name: String, role: ParamRole, kind: ParamKind, value: Tensor) -> Result<Tensor> {
         let (var, tensor) = if role.is_trainable() {
             let var = Var::from_tensor(&value.contiguous()?)?;
             let tensor = var.as_tensor().clone();

@@ -67,9 +67,8 @@ impl Gpt2Tokenizer {
     }
 
     fn wrap(inner: Tokenizer) -> Result<Self> {
-        let eos_id = inner
-            .token_to_id(ENDOFTEXT)
-            .ok_or_else(|| tok_err(format!("the tokenizer has no `{ENDOFTEXT}` token")))?;
+        let eos_id =
+            inner.token_to_id(ENDOFTEXT).ok_or_else(|| tok_err(format!("the tokenizer has no `{ENDOFTEXT}` token")))?;
         Ok(Self { inner, eos_id })
     }
 

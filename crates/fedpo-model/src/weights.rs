@@ -52,15 +52,7 @@ impl<'a> ParamBuilder<'a> {
         device: &Device,
         partition: Partition,
     ) -> Self {
-        Self {
-            base,
-            adapter,
-            seed,
-            dtype,
-            device: device.clone(),
-            partition,
-            store: ParamStore::default(),
-        }
+        Self { base, adapter, seed, dtype, device: device.clone(), partition, store: ParamStore::default() }
     }
 
     pub(crate) fn partition(&self) -> Partition {

@@ -2,10 +2,13 @@
 
 use candle_core::{DType, Device, Tensor};
 use fedpo_model::checkpoint::{load_adapter, load_hf_dir, save_adapter, save_model_dir};
-use fedpo_model::{Gpt2Config, LoraConfig, ModelError, ParamKind, ParamRole, Partition, PartitionPreset, Policy, PolicySpec};
+use fedpo_model::{
+    Gpt2Config, LoraConfig, ModelError, ParamKind, ParamRole, Partition, PartitionPreset, Policy, PolicySpec,
+};
 
 fn tiny_spec(preset: PartitionPreset, targets: &[&str]) -> PolicySpec {
-    let config = Gpt2Config { vocab_size: 97, n_positions: 32, n_embd: 16, n_head: 2, n_layer: 2, ..Gpt2Config::tiny() };
+    let config =
+        Gpt2Config { vocab_size: 97, n_positions: 32, n_embd: 16, n_head: 2, n_layer: 2, ..Gpt2Config::tiny() };
     PolicySpec { config, lora: Some(LoraConfig::new(4, 8.0, targets).unwrap()), partition: Partition::new(preset) }
 }
 
@@ -81,7 +84,12 @@ fn partitions_assign_the_documented_roles() {
     assert_eq!(count(PartitionPreset::SharedLora, ParamRole::Frozen), 28);
     assert_eq!(count(PartitionPreset::Feddpo, ParamRole::Private), 0);
     let frozen_emb = Partition { preset: PartitionPreset::Pfeddpo, freeze_embeddings: true };
-    let p = Policy::random(PolicySpec { partition: frozen_emb, ..tiny_spec(PartitionPreset::Pfeddpo, &["c_attn"]) }, 0, &Device::Cpu).unwrap();
+    let p = Policy::random(
+        PolicySpec { partition: frozen_emb, ..tiny_spec(PartitionPreset::Pfeddpo, &["c_attn"]) },
+        0,
+        &Device::Cpu,
+    )
+    .unwrap();
     assert_eq!(p.params.get("wte.weight").unwrap().role, ParamRole::Frozen);
     assert!(p.params.get("wte.weight").unwrap().var().is_none());
 }
@@ -93,4 +101,3 @@ fn sequence_longer_than_positions_is_an_error_naming_the_limit() {
     let msg = policy.model.forward(&long).unwrap_err().to_string();
     assert!(msg.contains("33") && msg.contains("32"), "{msg}");
 }
-

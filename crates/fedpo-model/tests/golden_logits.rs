@@ -28,7 +28,8 @@ fn reference() -> (Tensor, Tensor) {
 
 fn policy_from(dir: &str, partition: PartitionPreset, dtype: DType) -> Policy {
     let ckpt = load_hf_dir(&golden(dir), &Device::Cpu).unwrap();
-    let spec = PolicySpec { config: ckpt.config, lora: Some(LoraConfig::default()), partition: Partition::new(partition) };
+    let spec =
+        PolicySpec { config: ckpt.config, lora: Some(LoraConfig::default()), partition: Partition::new(partition) };
     Policy::build(spec, Some(&ckpt.base), None, 0, dtype, &Device::Cpu).unwrap()
 }
 

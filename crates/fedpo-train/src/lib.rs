@@ -2,6 +2,7 @@
 //! optimizers with persistent state, and the local trainer every device runs.
 
 mod error;
+mod inplace;
 pub mod logps;
 pub mod loss;
 pub mod optim;

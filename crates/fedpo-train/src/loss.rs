@@ -157,7 +157,9 @@ mod tests {
     fn gradients_match_finite_differences_for_every_variant() {
         let (pc, pr, rc, rr) = ([-3.0, -7.5], [-4.0, -6.0], [-3.5, -7.0], [-3.8, -6.2]);
         let lens = [4, 9];
-        for kind in [LossKind::Sigmoid { label_smoothing: 0.0 }, LossKind::Sigmoid { label_smoothing: 0.1 }, LossKind::Ipo] {
+        for kind in
+            [LossKind::Sigmoid { label_smoothing: 0.0 }, LossKind::Sigmoid { label_smoothing: 0.1 }, LossKind::Ipo]
+        {
             let base = preference_loss(kind, 0.3, logps(&pc, &pr, &rc, &rr, &lens));
             for i in 0..2 {
                 let h = 1e-6;

@@ -13,6 +13,7 @@ use fedpo_model::io::{read_safetensors, write_safetensors};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, TrainError};
+use crate::inplace::{cpu_sum_of_squares, AdamApply, MomentUpdate, SgdStep};
 
 /// The update rule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -89,9 +90,21 @@ pub struct Optimizer {
 pub fn global_norm<'a>(grads: impl IntoIterator<Item = &'a Tensor>) -> Result<f64> {
     let mut sq = 0.0;
     for g in grads {
-        sq += g.sqr()?.sum_all()?.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
+        sq += match cpu_sum_of_squares(g) {
+            Some(v) => v,
+            None => g.sqr()?.sum_all()?.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?,
+        };
     }
     Ok(sq.sqrt())
+}
+
+/// Whether the in-place CPU kernels can update this parameter with this gradient.
+fn in_place_ok(theta: &Tensor, g: &Tensor) -> bool {
+    theta.device().is_cpu()
+        && theta.is_contiguous()
+        && g.is_contiguous()
+        && theta.dtype() == g.dtype()
+        && matches!(theta.dtype(), candle_core::DType::F32 | candle_core::DType::F64)
 }
 
 impl Optimizer {
@@ -126,12 +139,13 @@ impl Optimizer {
         let t = self.step as i32;
         for (name, var) in params {
             let Some(g) = grads.get(*name) else { continue };
-            let g = if clip < 1.0 { (g * clip)? } else { g.clone() };
             let theta = var.as_tensor();
+            let fast = in_place_ok(theta, g);
             match self.cfg.kind {
-                OptimKind::Sgd => var.set(&(theta - (g * self.cfg.lr)?)?)?,
+                OptimKind::Sgd if fast => theta.inplace_op2(g, &SgdStep { step: self.cfg.lr * clip })?,
+                OptimKind::Sgd => var.set(&(theta - (g * (self.cfg.lr * clip))?)?)?,
                 OptimKind::Adamw => {
-                    let c = &self.cfg;
+                    let c = self.cfg;
                     let mo = match self.moments.entry(name.to_string()) {
                         std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
                         std::collections::hash_map::Entry::Vacant(e) => e.insert(Moments {
@@ -139,15 +153,28 @@ impl Optimizer {
                             v: Var::zeros(theta.shape(), theta.dtype(), theta.device())?,
                         }),
                     };
-                    let m = ((mo.m.as_tensor() * c.beta1)? + (&g * (1.0 - c.beta1))?)?;
-                    let v = ((mo.v.as_tensor() * c.beta2)? + (g.sqr()? * (1.0 - c.beta2))?)?;
-                    let m_hat = (&m / (1.0 - c.beta1.powi(t)))?;
-                    let v_hat = (&v / (1.0 - c.beta2.powi(t)))?;
-                    let update = (m_hat / (v_hat.sqrt()? + c.eps)?)?;
-                    let decayed = (theta * (1.0 - c.lr * c.weight_decay))?;
-                    var.set(&(decayed - (update * c.lr)?)?)?;
-                    mo.m.set(&m)?;
-                    mo.v.set(&v)?;
+                    let (bc1, bc2) = (1.0 - c.beta1.powi(t), 1.0 - c.beta2.powi(t));
+                    if fast {
+                        mo.m.as_tensor().inplace_op2(g, &MomentUpdate { beta: c.beta1, scale: clip, square: false })?;
+                        mo.v.as_tensor().inplace_op2(g, &MomentUpdate { beta: c.beta2, scale: clip, square: true })?;
+                        let apply = AdamApply {
+                            lr: c.lr,
+                            weight_decay: c.weight_decay,
+                            bias_correction1: bc1,
+                            bias_correction2: bc2,
+                            eps: c.eps,
+                        };
+                        theta.inplace_op3(mo.m.as_tensor(), mo.v.as_tensor(), &apply)?;
+                    } else {
+                        let g = (g * clip)?;
+                        let m = ((mo.m.as_tensor() * c.beta1)? + (&g * (1.0 - c.beta1))?)?;
+                        let v = ((mo.v.as_tensor() * c.beta2)? + (g.sqr()? * (1.0 - c.beta2))?)?;
+                        let update = ((&m / bc1)? / ((&v / bc2)?.sqrt()? + c.eps)?)?;
+                        let decayed = (theta * (1.0 - c.lr * c.weight_decay))?;
+                        var.set(&(decayed - (update * c.lr)?)?)?;
+                        mo.m.set(&m)?;
+                        mo.v.set(&v)?;
+                    }
                 }
             }
         }
@@ -181,7 +208,8 @@ impl Optimizer {
         if kind != expected {
             return Err(bad(format!("saved by optimizer {kind}, this run uses {expected}")));
         }
-        self.step = file.metadata.get("step").and_then(|s| s.parse().ok()).ok_or_else(|| bad("no step count".into()))?;
+        self.step =
+            file.metadata.get("step").and_then(|s| s.parse().ok()).ok_or_else(|| bad("no step count".into()))?;
         let tensors = file.tensors.tensors;
         for (key, m) in &tensors {
             let Some(name) = key.strip_prefix("m.") else { continue };
@@ -196,6 +224,31 @@ impl Optimizer {
 mod tests {
     use super::*;
     use candle_core::Device;
+
+    #[test]
+    fn in_place_and_tensor_op_updates_agree_for_both_rules() {
+        // The same trajectory on the CPU kernels (contiguous f64) and the tensor-op path
+        // (forced by a non-contiguous gradient).
+        for kind in [OptimKind::Sgd, OptimKind::Adamw] {
+            let run = |transposed: bool| -> Vec<f64> {
+                let x = Var::new(&[[1.0f64, -2.0], [3.0, 0.5]], &Device::Cpu).unwrap();
+                let mut cfg = OptimConfig::new(kind, 0.05);
+                cfg.weight_decay = 0.1;
+                cfg.max_grad_norm = Some(1.0);
+                let mut opt = Optimizer::new(cfg).unwrap();
+                for _ in 0..5 {
+                    let g = (x.as_tensor() - 0.25).unwrap();
+                    let g = if transposed { g.t().unwrap().contiguous().unwrap().t().unwrap() } else { g };
+                    opt.step(&[("x", &x)], &HashMap::from([("x".to_string(), g)])).unwrap();
+                }
+                x.as_tensor().flatten_all().unwrap().to_vec1().unwrap()
+            };
+            let (a, b) = (run(false), run(true));
+            for (p, q) in a.iter().zip(&b) {
+                assert!((p - q).abs() < 1e-12, "{kind:?}: {a:?} vs {b:?}");
+            }
+        }
+    }
 
     fn quadratic_grad(x: &Var) -> HashMap<String, Tensor> {
         // f(x) = 0.5 * |x - 3|^2, so grad = x - 3

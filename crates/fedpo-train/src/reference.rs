@@ -35,7 +35,12 @@ struct CacheFile {
 }
 
 /// Log-probs of `pairs` under `policy`, `batch_pairs` pairs per forward pass.
-pub fn compute_reference(policy: &Policy, pairs: &[TokenizedPair], batch_pairs: usize, pad_id: u32) -> Result<RefLogps> {
+pub fn compute_reference(
+    policy: &Policy,
+    pairs: &[TokenizedPair],
+    batch_pairs: usize,
+    pad_id: u32,
+) -> Result<RefLogps> {
     let mut out = RefLogps { chosen: Vec::with_capacity(pairs.len()), rejected: Vec::with_capacity(pairs.len()) };
     let (dtype, device) = (policy.model_dtype(), policy.model_device());
     for chunk in pairs.chunks(batch_pairs.max(1)) {
@@ -63,7 +68,9 @@ pub fn load_or_compute_reference(
             Ok(c) if c.format == FORMAT && c.model_hash == model_hash && c.data_fingerprint == data_fingerprint => {
                 return Ok((c.logps, true));
             }
-            Ok(_) => tracing::info!(path = %path.display(), "reference cache is for another model or data set; recomputing"),
+            Ok(_) => {
+                tracing::info!(path = %path.display(), "reference cache is for another model or data set; recomputing")
+            }
             Err(e) => tracing::warn!(path = %path.display(), error = %e, "unreadable reference cache; recomputing"),
         }
     }

@@ -93,7 +93,12 @@ struct Totals {
     pairs: usize,
 }
 
-fn loss_on_chunk(settings: &DpoSettings, values: &[f64], pairs: &[TokenizedPair], reference: (&[f64], &[f64])) -> crate::loss::LossOutput {
+fn loss_on_chunk(
+    settings: &DpoSettings,
+    values: &[f64],
+    pairs: &[TokenizedPair],
+    reference: (&[f64], &[f64]),
+) -> crate::loss::LossOutput {
     let p = pairs.len();
     let chosen_lens: Vec<usize> = pairs.iter().map(|x| x.chosen.len()).collect();
     let rejected_lens: Vec<usize> = pairs.iter().map(|x| x.rejected.len()).collect();
@@ -124,7 +129,13 @@ impl LocalTrainer {
     /// A trainer with a fresh optimizer.
     pub fn new(settings: DpoSettings, optim: OptimConfig, seed: u64) -> Result<Self> {
         settings.validate()?;
-        Ok(Self { settings, optimizer: Optimizer::new(optim)?, rng: StdRng::seed_from_u64(seed), order: Vec::new(), cursor: 0 })
+        Ok(Self {
+            settings,
+            optimizer: Optimizer::new(optim)?,
+            rng: StdRng::seed_from_u64(seed),
+            order: Vec::new(),
+            cursor: 0,
+        })
     }
 
     /// The optimizer, e.g. to save or restore its state.
@@ -152,8 +163,14 @@ impl LocalTrainer {
     }
 
     /// The exact gradient of the mean loss over `indices`, by parameter name, plus totals.
-    fn gradient(&self, policy: &Policy, data: &PreferenceSet, indices: &[usize]) -> Result<(HashMap<String, Tensor>, Totals)> {
-        let trainable: Vec<(&str, &Var)> = policy.params.trainable().filter_map(|p| p.var().map(|v| (p.name.as_str(), v))).collect();
+    fn gradient(
+        &self,
+        policy: &Policy,
+        data: &PreferenceSet,
+        indices: &[usize],
+    ) -> Result<(HashMap<String, Tensor>, Totals)> {
+        let trainable: Vec<(&str, &Var)> =
+            policy.params.trainable().filter_map(|p| p.var().map(|v| (p.name.as_str(), v))).collect();
         let (dtype, device) = (policy.model_dtype(), policy.model_device());
         let mut grads: HashMap<String, Tensor> = HashMap::new();
         let mut totals = Totals::default();
@@ -161,7 +178,8 @@ impl LocalTrainer {
             let pairs: Vec<TokenizedPair> = chunk.iter().map(|&i| data.pairs[i].clone()).collect();
             let refs: (Vec<f64>, Vec<f64>) =
                 chunk.iter().map(|&i| (data.reference.chosen[i], data.reference.rejected[i])).unzip();
-            let batch = BatchTensors::new(&collate(&pairs.iter().collect::<Vec<_>>(), self.settings.pad_id), dtype, &device)?;
+            let batch =
+                BatchTensors::new(&collate(&pairs.iter().collect::<Vec<_>>(), self.settings.pad_id), dtype, &device)?;
             let logps = sequence_logps(policy, &batch)?;
             let values: Vec<f64> = logps.detach().to_dtype(candle_core::DType::F64)?.to_vec1()?;
             let out = loss_on_chunk(&self.settings, &values, &pairs, (&refs.0, &refs.1));
@@ -198,7 +216,8 @@ impl LocalTrainer {
         let start = Instant::now();
         let indices = self.next_indices(data.pairs.len(), self.settings.batch_pairs);
         let (grads, totals) = self.gradient(policy, data, &indices)?;
-        let trainable: Vec<(&str, &Var)> = policy.params.trainable().filter_map(|p| p.var().map(|v| (p.name.as_str(), v))).collect();
+        let trainable: Vec<(&str, &Var)> =
+            policy.params.trainable().filter_map(|p| p.var().map(|v| (p.name.as_str(), v))).collect();
         let grad_norm = self.optimizer.step(&trainable, &grads)?;
         let n = totals.pairs as f64;
         Ok(StepMetrics {
@@ -228,7 +247,12 @@ pub fn evaluate(policy: &Policy, data: &PreferenceSet, settings: &DpoSettings) -
         let batch = BatchTensors::new(&collate(&chunk.iter().collect::<Vec<_>>(), settings.pad_id), dtype, &device)?;
         let values = sequence_logps_values(policy, &batch)?;
         let range = offset..offset + chunk.len();
-        let out = loss_on_chunk(settings, &values, chunk, (&data.reference.chosen[range.clone()], &data.reference.rejected[range]));
+        let out = loss_on_chunk(
+            settings,
+            &values,
+            chunk,
+            (&data.reference.chosen[range.clone()], &data.reference.rejected[range]),
+        );
         t.loss += out.loss_sum;
         t.correct += out.correct;
         t.margin += out.margin_sum;

@@ -11,7 +11,9 @@ use fedpo_data::TokenizedPair;
 use fedpo_model::checkpoint::load_hf_dir;
 use fedpo_model::io::read_safetensors;
 use fedpo_model::{LoraConfig, Partition, PartitionPreset, Policy, PolicySpec};
-use fedpo_train::{compute_reference, evaluate, DpoSettings, LocalTrainer, LossKind, OptimConfig, OptimKind, PreferenceSet};
+use fedpo_train::{
+    compute_reference, evaluate, DpoSettings, LocalTrainer, LossKind, OptimConfig, OptimKind, PreferenceSet,
+};
 
 fn golden(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/golden").join(name)
@@ -33,7 +35,11 @@ fn fixture() -> Fixture {
     let p = ids.len() / 2;
     let response = |row: usize| ids[row][prompt_lens[row]..prompt_lens[row] + resp_lens[row]].to_vec();
     let pairs = (0..p)
-        .map(|i| TokenizedPair { prompt: ids[i][..prompt_lens[i]].to_vec(), chosen: response(i), rejected: response(p + i) })
+        .map(|i| TokenizedPair {
+            prompt: ids[i][..prompt_lens[i]].to_vec(),
+            chosen: response(i),
+            rejected: response(p + i),
+        })
         .collect();
     Fixture {
         tensors: file.tensors.tensors,

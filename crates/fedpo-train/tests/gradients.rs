@@ -5,12 +5,16 @@
 use candle_core::{DType, Device, Tensor, Var};
 use fedpo_data::TokenizedPair;
 use fedpo_model::{Gpt2Config, LoraConfig, ParamKind, Partition, PartitionPreset, Policy, PolicySpec};
-use fedpo_train::{compute_reference, evaluate, DpoSettings, LocalTrainer, LossKind, OptimConfig, OptimKind, PreferenceSet};
+use fedpo_train::{
+    compute_reference, evaluate, DpoSettings, LocalTrainer, LossKind, OptimConfig, OptimKind, PreferenceSet,
+};
 use rand::{Rng, SeedableRng};
 
 fn small_policy(preset: PartitionPreset, targets: &[&str], dtype: DType) -> Policy {
-    let config = Gpt2Config { vocab_size: 64, n_positions: 32, n_embd: 16, n_head: 2, n_layer: 2, ..Gpt2Config::tiny() };
-    let spec = PolicySpec { config, lora: Some(LoraConfig::new(2, 4.0, targets).unwrap()), partition: Partition::new(preset) };
+    let config =
+        Gpt2Config { vocab_size: 64, n_positions: 32, n_embd: 16, n_head: 2, n_layer: 2, ..Gpt2Config::tiny() };
+    let spec =
+        PolicySpec { config, lora: Some(LoraConfig::new(2, 4.0, targets).unwrap()), partition: Partition::new(preset) };
     Policy::build(spec, None, None, 7, dtype, &Device::Cpu).unwrap()
 }
 
@@ -72,14 +76,19 @@ fn lora_and_base_gradients_match_central_differences() {
             let down = loss(&policy);
             set_entry(&var, k, x);
             let numeric = (up - down) / (2.0 * h);
-            assert!((numeric - g[k]).abs() <= 1e-7 + 1e-4 * g[k].abs(), "{name}[{k}]: numeric {numeric} vs analytic {}", g[k]);
+            assert!(
+                (numeric - g[k]).abs() <= 1e-7 + 1e-4 * g[k].abs(),
+                "{name}[{k}]: numeric {numeric} vs analytic {}",
+                g[k]
+            );
         }
     }
 }
 
 #[test]
 fn every_trainable_tensor_receives_a_nonzero_gradient() {
-    let policy = small_policy(PartitionPreset::Pfeddpo, &["c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"], DType::F32);
+    let policy =
+        small_policy(PartitionPreset::Pfeddpo, &["c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"], DType::F32);
     let data = data(&policy);
     let mut trainer = LocalTrainer::new(settings(), OptimConfig::new(OptimKind::Sgd, 0.5), 0).unwrap();
     // One step makes B non-zero; from then on every tensor, A included, must get gradient.

@@ -1,0 +1,203 @@
+//! The `fedpo-device` binary as a user runs it.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn fedpo_device(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_fedpo-device")).args(args).env("RUST_LOG", "warn").output().expect("runs")
+}
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures").join(name)
+}
+
+fn read_json(path: &Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))).unwrap()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+#[test]
+fn train_local_on_synthetic_data_learns_the_persona_and_writes_its_outputs() {
+    let out = tempfile::tempdir().unwrap();
+    let dir = out.path().to_str().unwrap();
+    let o = fedpo_device(&[
+        "train-local",
+        "--synthetic",
+        "--model",
+        "tiny",
+        "--steps",
+        "40",
+        "--train-pairs",
+        "64",
+        "--heldout-pairs",
+        "24",
+        "--out",
+        dir,
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let printed = String::from_utf8_lossy(&o.stdout);
+    assert!(printed.contains("train") && printed.contains("held-out"), "{printed}");
+
+    let summary = read_json(&out.path().join("summary.json"));
+    let (train, heldout) = (summary["reward_acc"].as_f64().unwrap(), summary["heldout_acc"].as_f64().unwrap());
+    assert!(train >= 0.9 && heldout >= 0.8, "train {train}, held-out {heldout}");
+    assert!(summary["final_loss"].as_f64().unwrap() < summary["initial"]["loss"].as_f64().unwrap());
+
+    let metrics = std::fs::read_to_string(out.path().join("metrics.jsonl")).unwrap();
+    let lines: Vec<Value> = metrics.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines.len(), 40);
+    for key in ["step", "loss", "reward_acc", "margin", "grad_norm", "seconds"] {
+        assert!(lines[0].get(key).is_some(), "metrics lack `{key}`");
+    }
+    assert!(out.path().join("adapter.safetensors").is_file());
+    assert!(out.path().join("model/model.safetensors").is_file());
+    assert!(out.path().join("model/tokenizer.json").is_file());
+}
+
+#[test]
+fn score_writes_one_row_per_pair_in_input_order_and_applies_the_adapter() {
+    let out = tempfile::tempdir().unwrap();
+    let dir = out.path().to_str().unwrap();
+    let o = fedpo_device(&[
+        "train-local",
+        "--synthetic",
+        "--model",
+        "tiny",
+        "--steps",
+        "25",
+        "--train-pairs",
+        "48",
+        "--heldout-pairs",
+        "8",
+        "--out",
+        dir,
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    // Score the same synthetic persona's pairs through a data file.
+    let pairs = out.path().join("pairs.jsonl");
+    let heldout = r#"{"prompt": "User: How do I brew a cup of tea?\nAssistant:", "chosen": " Certainly.\n1. Boil fresh water.\n2. Steep the leaves for three minutes.\n3. Strain and add milk if you like. Taking each step carefully gives the most reliable result.\nI hope this is helpful.", "rejected": " Sure thing! First, search online for a guide. Then, ask someone who has done it. Finally, try whatever seems right. Don't rush it, it's totally worth it."}"#;
+    std::fs::write(&pairs, format!("{heldout}\n{heldout}\n")).unwrap();
+    let scores = out.path().join("scores.jsonl");
+    let model_dir = out.path().join("model");
+    let adapter = out.path().join("adapter.safetensors");
+    let o = fedpo_device(&[
+        "score",
+        "--model",
+        model_dir.to_str().unwrap(),
+        "--adapter",
+        adapter.to_str().unwrap(),
+        "--data",
+        pairs.to_str().unwrap(),
+        "--out",
+        scores.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let rows: Vec<Value> =
+        std::fs::read_to_string(&scores).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(rows.len(), 2);
+    for (i, r) in rows.iter().enumerate() {
+        assert_eq!(r["index"], i);
+        let (c, rj) = (r["chosen_logp"].as_f64().unwrap(), r["rejected_logp"].as_f64().unwrap());
+        assert!(c < 0.0 && rj < 0.0);
+    }
+    assert_eq!(rows[0]["chosen_logp"], rows[1]["chosen_logp"], "identical pairs score identically");
+
+    // The same base without the trained adapter scores differently: the adapter is applied.
+    let o = fedpo_device(&["score", "--model", model_dir.to_str().unwrap(), "--data", pairs.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let first: Value = serde_json::from_str(String::from_utf8_lossy(&o.stdout).lines().next().unwrap()).unwrap();
+    assert_ne!(first["chosen_logp"], rows[0]["chosen_logp"]);
+}
+
+#[test]
+fn score_reads_hh_rlhf_and_shp_files() {
+    for file in ["data/hh-rlhf-sample.jsonl", "data/shp-sample.jsonl"] {
+        let o = fedpo_device(&["score", "--model", "tiny", "--data", fixture(file).to_str().unwrap()]);
+        assert!(o.status.success(), "{file}: {}", stderr(&o));
+        let n = String::from_utf8_lossy(&o.stdout).lines().count();
+        assert_eq!(n, 4, "{file}");
+    }
+}
+
+#[test]
+fn bad_data_line_fails_with_file_and_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("bad.jsonl");
+    std::fs::write(&data, "{\"prompt\": \"a\", \"chosen\": \"b\", \"rejected\": \"c\"}\n{\"prompt\": 1}\n").unwrap();
+    let o = fedpo_device(&[
+        "train-local",
+        "--data",
+        data.to_str().unwrap(),
+        "--steps",
+        "1",
+        "--out",
+        dir.path().join("o").to_str().unwrap(),
+    ]);
+    assert!(!o.status.success());
+    let err = stderr(&o);
+    assert!(err.contains(&format!("{}:2", data.display())), "{err}");
+}
+
+#[test]
+fn unknown_lora_target_is_refused_with_the_valid_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = fedpo_device(&[
+        "train-local",
+        "--synthetic",
+        "--targets",
+        "q_proj",
+        "--steps",
+        "1",
+        "--out",
+        dir.path().to_str().unwrap(),
+    ]);
+    assert!(!o.status.success());
+    let err = stderr(&o);
+    assert!(err.contains("q_proj") && err.contains("attn.c_attn"), "{err}");
+}
+
+#[test]
+fn missing_backend_names_the_feature_to_build_with() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = fedpo_device(&[
+        "train-local",
+        "--synthetic",
+        "--device",
+        "cuda",
+        "--steps",
+        "1",
+        "--out",
+        dir.path().to_str().unwrap(),
+    ]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("--features cuda"), "{}", stderr(&o));
+}
+
+#[test]
+fn bench_prints_the_peer_keys() {
+    let o = fedpo_device(&[
+        "bench",
+        "--tiny",
+        "--pairs",
+        "1",
+        "--prompt-len",
+        "8",
+        "--resp-len",
+        "8",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let report: Value = serde_json::from_slice(&o.stdout).unwrap();
+    for key in ["seconds_per_step_median", "pairs_per_second", "peak_rss_mb"] {
+        assert!(report[key].as_f64().unwrap() > 0.0, "{key}");
+    }
+    assert_eq!(report["base_trainable"], true);
+}

@@ -1,0 +1,127 @@
+//! Splitting a payload into chunks and putting it back together.
+//!
+//! The sender announces a [`Manifest`] (size, chunk count, SHA-256) and then publishes the
+//! chunks. The [`Reassembler`] accepts them in any order, ignores duplicates (QoS 1 may
+//! deliver twice), refuses chunks that do not fit the manifest, and releases the bytes
+//! only when their SHA-256 matches.
+
+use sha2::{Digest, Sha256};
+
+use crate::error::{Result, WireError};
+use crate::limits::Limits;
+use crate::message::{Manifest, TensorInfo, TransferChunk};
+use crate::tensor::TensorPayload;
+
+/// SHA-256 of bytes.
+pub fn sha256(bytes: &[u8]) -> Vec<u8> {
+    Sha256::digest(bytes).to_vec()
+}
+
+/// The manifest and chunks of a payload.
+pub fn split_payload(transfer: &str, payload: &TensorPayload, chunk_bytes: usize) -> (Manifest, Vec<TransferChunk>) {
+    let bytes = payload.to_bytes();
+    let chunk_bytes = chunk_bytes.max(1);
+    let count = bytes.len().div_ceil(chunk_bytes).max(1) as u32;
+    let chunks = (0..count)
+        .map(|i| {
+            let start = i as usize * chunk_bytes;
+            let end = (start + chunk_bytes).min(bytes.len());
+            TransferChunk { transfer: transfer.to_string(), index: i, count, bytes: bytes[start..end].to_vec() }
+        })
+        .collect();
+    let manifest = Manifest {
+        transfer: transfer.to_string(),
+        bytes: bytes.len() as u64,
+        chunks: count,
+        sha256: sha256(&bytes),
+        tensors: payload
+            .tensors
+            .iter()
+            .map(|t| TensorInfo { name: t.name.clone(), dtype: t.dtype, shape: t.shape.clone() })
+            .collect(),
+    };
+    (manifest, chunks)
+}
+
+/// What accepting a chunk did.
+#[derive(Debug, PartialEq)]
+pub enum Progress {
+    /// Stored; `received` of the manifest's chunks are in.
+    Accepted {
+        /// Distinct chunks received so far.
+        received: u32,
+    },
+    /// Already had it; nothing changed.
+    Duplicate,
+    /// The last chunk: the verified payload bytes.
+    Complete(Vec<u8>),
+}
+
+/// Collects the chunks of one transfer.
+pub struct Reassembler {
+    manifest: Manifest,
+    parts: Vec<Option<Vec<u8>>>,
+    received: u32,
+    bytes_so_far: u64,
+    done: bool,
+}
+
+impl Reassembler {
+    /// Starts a transfer after checking its manifest against the limits.
+    pub fn new(manifest: Manifest, limits: &Limits) -> Result<Self> {
+        manifest.validate(limits)?;
+        let parts = vec![None; manifest.chunks as usize];
+        Ok(Self { manifest, parts, received: 0, bytes_so_far: 0, done: false })
+    }
+
+    /// The manifest being assembled.
+    pub fn manifest(&self) -> &Manifest {
+        &self.manifest
+    }
+
+    /// Accepts one chunk.
+    pub fn accept(&mut self, chunk: TransferChunk) -> Result<Progress> {
+        if chunk.transfer != self.manifest.transfer {
+            return Err(WireError::WrongTransfer { expected: self.manifest.transfer.clone(), found: chunk.transfer });
+        }
+        if chunk.count != self.manifest.chunks || chunk.index >= self.manifest.chunks {
+            return Err(WireError::BadChunk {
+                index: chunk.index,
+                count: chunk.count,
+                expected_count: self.manifest.chunks,
+            });
+        }
+        let slot = &mut self.parts[chunk.index as usize];
+        if self.done || slot.is_some() {
+            return Ok(Progress::Duplicate);
+        }
+        let new_total = self.bytes_so_far + chunk.bytes.len() as u64;
+        if new_total > self.manifest.bytes {
+            return Err(WireError::TransferTooLarge { size: new_total, max: self.manifest.bytes });
+        }
+        self.bytes_so_far = new_total;
+        *slot = Some(chunk.bytes);
+        self.received += 1;
+        if self.received < self.manifest.chunks {
+            return Ok(Progress::Accepted { received: self.received });
+        }
+        let mut bytes = Vec::with_capacity(self.manifest.bytes as usize);
+        for part in self.parts.iter_mut() {
+            bytes.extend(part.take().unwrap_or_default());
+        }
+        let found = sha256(&bytes);
+        if found != self.manifest.sha256 || bytes.len() as u64 != self.manifest.bytes {
+            // Start over: a corrupted chunk means the transfer must be sent again.
+            self.parts = vec![None; self.manifest.chunks as usize];
+            self.received = 0;
+            self.bytes_so_far = 0;
+            return Err(WireError::HashMismatch {
+                transfer: self.manifest.transfer.clone(),
+                expected: hex::encode(&self.manifest.sha256),
+                found: hex::encode(found),
+            });
+        }
+        self.done = true;
+        Ok(Progress::Complete(bytes))
+    }
+}

@@ -1,0 +1,22 @@
+//! fedpo's wire protocol: versioned CBOR messages between devices and the aggregator,
+//! named tensor payloads (f32, bf16, f16), and chunked transfers verified by SHA-256.
+//!
+//! Everything decoded here is untrusted: [`Message::decode`] and
+//! [`TensorPayload::from_bytes`] check sizes against [`Limits`] before they allocate, refuse
+//! unknown protocol versions, shapes that disagree with their bytes and (for updates)
+//! non-finite values, each with an error naming what was wrong.
+
+mod chunk;
+mod error;
+mod limits;
+mod message;
+mod tensor;
+
+pub use chunk::{sha256, split_payload, Progress, Reassembler};
+pub use error::{Result, WireError};
+pub use limits::{Limits, DEFAULT_CHUNK_BYTES};
+pub use message::{
+    DeviceHello, Hyperparameters, Manifest, Message, RoundPlan, RoundResult, TensorInfo, TransferChunk, Update,
+    UpdateMetrics, PROTOCOL_VERSION,
+};
+pub use tensor::{byte_len, TensorPayload, WireDType, WireTensor};

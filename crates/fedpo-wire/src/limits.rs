@@ -1,0 +1,32 @@
+//! The bounds a decoder enforces before it allocates.
+
+/// Limits applied when decoding untrusted bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Largest encoded message (a chunk plus its envelope).
+    pub max_message_bytes: usize,
+    /// Most tensors in one payload or manifest.
+    pub max_tensors: usize,
+    /// Largest whole transfer (all chunks together).
+    pub max_transfer_bytes: u64,
+    /// Largest chunk.
+    pub max_chunk_bytes: usize,
+    /// Longest identifier (device id, transfer id, tensor name).
+    pub max_name_len: usize,
+}
+
+/// Default chunk size: 1 MiB. A whole DistilGPT-2 base in f32 is 328 MB, beyond MQTT's
+/// 256 MB packet limit and far beyond what a small broker buffers comfortably.
+pub const DEFAULT_CHUNK_BYTES: usize = 1 << 20;
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_message_bytes: DEFAULT_CHUNK_BYTES + (64 << 10),
+            max_tensors: 4096,
+            max_transfer_bytes: 2 << 30,
+            max_chunk_bytes: DEFAULT_CHUNK_BYTES,
+            max_name_len: 256,
+        }
+    }
+}

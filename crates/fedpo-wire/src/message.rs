@@ -1,0 +1,289 @@
+//! The messages devices and the aggregator exchange, each inside a versioned envelope.
+//!
+//! Large content (a global model, an update) never rides in a message itself: the message
+//! carries a [`Manifest`] (tensor list, size, chunk count, SHA-256) and the bytes follow as
+//! [`TransferChunk`]s, so every MQTT packet stays small.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Result, WireError};
+use crate::limits::Limits;
+use crate::tensor::{byte_len, WireDType};
+
+/// The protocol version this build speaks.
+pub const PROTOCOL_VERSION: u16 = 1;
+
+/// A device announcing itself.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DeviceHello {
+    /// Device id, unique in the job.
+    pub device: String,
+    /// Training pairs it holds (FedAvg weight).
+    pub pairs: u64,
+    /// Compute backend, e.g. `cpu`, `cuda:0`.
+    pub backend: String,
+    /// Memory available for training, MiB.
+    pub memory_mb: u64,
+}
+
+/// Local training settings a round asks for.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Hyperparameters {
+    /// Method, e.g. `pfeddpo`.
+    pub method: String,
+    /// Local optimizer steps (E).
+    pub local_steps: u32,
+    /// Learning rate.
+    pub lr: f64,
+    /// DPO beta.
+    pub beta: f64,
+    /// Pairs per step.
+    pub batch_pairs: u32,
+}
+
+/// Name, dtype and shape of one tensor of a transfer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TensorInfo {
+    /// Checkpoint-style name.
+    pub name: String,
+    /// Encoding.
+    pub dtype: WireDType,
+    /// Dimensions.
+    pub shape: Vec<u64>,
+}
+
+/// What a transfer will deliver, announced before its chunks.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    /// Transfer id, unique per job (e.g. `r3/global`, `r3/dev-2`).
+    pub transfer: String,
+    /// Total payload bytes.
+    pub bytes: u64,
+    /// Number of chunks.
+    pub chunks: u32,
+    /// SHA-256 of the whole payload.
+    #[serde(with = "serde_bytes")]
+    pub sha256: Vec<u8>,
+    /// The tensors the payload holds.
+    pub tensors: Vec<TensorInfo>,
+}
+
+/// One round's instructions to the selected devices.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RoundPlan {
+    /// Round number, from 1.
+    pub round: u64,
+    /// Devices expected to train.
+    pub selected: Vec<String>,
+    /// Local training settings.
+    pub hyper: Hyperparameters,
+    /// Strategy-specific named settings (e.g. `proximal_mu`).
+    pub strategy: BTreeMap<String, f64>,
+    /// The global model that follows as chunks.
+    pub global_model: Manifest,
+}
+
+/// What a device measured in its local round.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct UpdateMetrics {
+    /// Mean DPO loss over the local steps.
+    pub train_loss: f64,
+    /// Reward accuracy on its training pairs.
+    pub reward_acc: f64,
+    /// Reward accuracy on its held-out pairs.
+    pub heldout_acc: Option<f64>,
+    /// Norm of its last local gradient.
+    pub grad_norm: f64,
+    /// Wall time of local training.
+    pub seconds: f64,
+}
+
+/// A device's result for a round; the update's tensors follow as chunks.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Update {
+    /// The round it answers.
+    pub round: u64,
+    /// The device.
+    pub device: String,
+    /// Pairs it trained on (FedAvg weight).
+    pub pairs: u64,
+    /// Local metrics.
+    pub metrics: UpdateMetrics,
+    /// The shared-parameter delta that follows.
+    pub update: Manifest,
+}
+
+/// A slice of a transfer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TransferChunk {
+    /// The transfer it belongs to.
+    pub transfer: String,
+    /// Position, from 0.
+    pub index: u32,
+    /// Chunks in the transfer.
+    pub count: u32,
+    /// The bytes.
+    #[serde(with = "serde_bytes")]
+    pub bytes: Vec<u8>,
+}
+
+/// The outcome of a round, for devices and observers.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RoundResult {
+    /// The round.
+    pub round: u64,
+    /// Devices whose updates were aggregated.
+    pub participants: Vec<String>,
+    /// Weighted mean training loss of the participants.
+    pub train_loss: f64,
+    /// SHA-256 of the new global model payload.
+    #[serde(with = "serde_bytes")]
+    pub global_sha256: Vec<u8>,
+}
+
+/// Every message kind.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Message {
+    /// Device registration.
+    Hello(DeviceHello),
+    /// Round plan.
+    Plan(RoundPlan),
+    /// Device update announcement.
+    Update(Update),
+    /// Transfer bytes.
+    Chunk(TransferChunk),
+    /// Round outcome.
+    Result(RoundResult),
+}
+
+#[derive(Serialize, Deserialize)]
+struct Envelope {
+    version: u16,
+    message: Message,
+}
+
+fn check_name(field: &'static str, s: &str, limits: &Limits) -> Result<()> {
+    if s.len() > limits.max_name_len {
+        return Err(WireError::InvalidField {
+            field,
+            reason: format!("{} bytes exceed the limit of {}", s.len(), limits.max_name_len),
+        });
+    }
+    Ok(())
+}
+
+fn check_finite(field: &'static str, v: f64) -> Result<()> {
+    if v.is_finite() {
+        Ok(())
+    } else {
+        Err(WireError::InvalidField { field, reason: format!("must be finite, got {v}") })
+    }
+}
+
+impl Manifest {
+    /// Checks the announced sizes before any chunk is accepted.
+    pub fn validate(&self, limits: &Limits) -> Result<()> {
+        check_name("transfer", &self.transfer, limits)?;
+        if self.tensors.len() > limits.max_tensors {
+            return Err(WireError::TooManyTensors { count: self.tensors.len(), max: limits.max_tensors });
+        }
+        if self.bytes > limits.max_transfer_bytes {
+            return Err(WireError::TransferTooLarge { size: self.bytes, max: limits.max_transfer_bytes });
+        }
+        let mut tensor_bytes: u64 = 0;
+        for t in &self.tensors {
+            check_name("tensor name", &t.name, limits)?;
+            let len = byte_len(&t.shape, t.dtype).unwrap_or(u64::MAX);
+            tensor_bytes = tensor_bytes.saturating_add(len);
+        }
+        if tensor_bytes > self.bytes {
+            return Err(WireError::TransferTooLarge { size: tensor_bytes, max: self.bytes });
+        }
+        let min_chunks = self.bytes.div_ceil(limits.max_chunk_bytes as u64).max(1);
+        if u64::from(self.chunks) < min_chunks {
+            return Err(WireError::InvalidField {
+                field: "chunks",
+                reason: format!(
+                    "{} chunks cannot carry {} bytes at {} bytes each",
+                    self.chunks, self.bytes, limits.max_chunk_bytes
+                ),
+            });
+        }
+        if self.sha256.len() != 32 {
+            return Err(WireError::InvalidField {
+                field: "sha256",
+                reason: format!("{} bytes, expected 32", self.sha256.len()),
+            });
+        }
+        Ok(())
+    }
+}
+
+impl Message {
+    /// Encodes the message in a versioned envelope.
+    pub fn encode(&self) -> Vec<u8> {
+        serde_cbor::to_vec(&Envelope { version: PROTOCOL_VERSION, message: self.clone() }).unwrap_or_default()
+    }
+
+    /// Decodes untrusted bytes: the size is checked before parsing, the version and every
+    /// announced size after, so nothing is allocated past the limits.
+    pub fn decode(bytes: &[u8], limits: &Limits) -> Result<Self> {
+        if bytes.len() > limits.max_message_bytes {
+            return Err(WireError::MessageTooLarge { size: bytes.len(), max: limits.max_message_bytes });
+        }
+        #[derive(Deserialize)]
+        struct VersionOnly {
+            version: u16,
+        }
+        let head: VersionOnly = serde_cbor::from_slice(bytes).map_err(|e| WireError::Malformed(e.to_string()))?;
+        if head.version != PROTOCOL_VERSION {
+            return Err(WireError::UnsupportedVersion { found: head.version, supported: PROTOCOL_VERSION });
+        }
+        let env: Envelope = serde_cbor::from_slice(bytes).map_err(|e| WireError::Malformed(e.to_string()))?;
+        env.message.validate(limits)?;
+        Ok(env.message)
+    }
+
+    fn validate(&self, limits: &Limits) -> Result<()> {
+        match self {
+            Self::Hello(h) => {
+                check_name("device", &h.device, limits)?;
+                check_name("backend", &h.backend, limits)
+            }
+            Self::Plan(p) => {
+                for d in &p.selected {
+                    check_name("selected", d, limits)?;
+                }
+                check_finite("lr", p.hyper.lr)?;
+                check_finite("beta", p.hyper.beta)?;
+                p.strategy.values().try_for_each(|v| check_finite("strategy", *v))?;
+                p.global_model.validate(limits)
+            }
+            Self::Update(u) => {
+                check_name("device", &u.device, limits)?;
+                check_finite("train_loss", u.metrics.train_loss)?;
+                check_finite("grad_norm", u.metrics.grad_norm)?;
+                u.update.validate(limits)
+            }
+            Self::Chunk(c) => {
+                check_name("transfer", &c.transfer, limits)?;
+                if c.bytes.len() > limits.max_chunk_bytes {
+                    return Err(WireError::MessageTooLarge { size: c.bytes.len(), max: limits.max_chunk_bytes });
+                }
+                if c.index >= c.count {
+                    return Err(WireError::BadChunk { index: c.index, count: c.count, expected_count: c.count });
+                }
+                Ok(())
+            }
+            Self::Result(r) => {
+                for d in &r.participants {
+                    check_name("participants", d, limits)?;
+                }
+                Ok(())
+            }
+        }
+    }
+}

@@ -1,0 +1,210 @@
+//! Named tensors as they travel: dtype, shape and little-endian bytes.
+//!
+//! Values are `f32` on both ends; the codec only decides how they are carried. `bf16` and
+//! `f16` halve the bytes of an update at a precision cost the caller chooses.
+
+use std::fmt;
+
+use half::{bf16, f16};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Result, WireError};
+use crate::limits::Limits;
+
+/// How tensor values are carried.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WireDType {
+    /// IEEE f32, little endian.
+    F32,
+    /// bfloat16 (f32 with a 7-bit mantissa), little endian.
+    Bf16,
+    /// IEEE half precision, little endian.
+    F16,
+}
+
+impl WireDType {
+    /// Bytes per value.
+    pub fn size(self) -> u64 {
+        match self {
+            Self::F32 => 4,
+            Self::Bf16 | Self::F16 => 2,
+        }
+    }
+}
+
+impl fmt::Display for WireDType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::F32 => "f32",
+            Self::Bf16 => "bf16",
+            Self::F16 => "f16",
+        })
+    }
+}
+
+/// One named tensor on the wire.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WireTensor {
+    /// Checkpoint-style name.
+    pub name: String,
+    /// Value encoding.
+    pub dtype: WireDType,
+    /// Dimensions.
+    pub shape: Vec<u64>,
+    /// Little-endian values.
+    #[serde(with = "serde_bytes")]
+    pub data: Vec<u8>,
+}
+
+/// Bytes a shape of a dtype occupies, or `None` on overflow.
+pub fn byte_len(shape: &[u64], dtype: WireDType) -> Option<u64> {
+    shape.iter().try_fold(dtype.size(), |acc, &d| acc.checked_mul(d))
+}
+
+impl WireTensor {
+    /// Encodes `values` (row-major, `shape`) with `dtype`.
+    pub fn encode(name: impl Into<String>, shape: &[u64], values: &[f32], dtype: WireDType) -> Self {
+        let mut data = Vec::with_capacity(values.len() * dtype.size() as usize);
+        match dtype {
+            WireDType::F32 => values.iter().for_each(|v| data.extend_from_slice(&v.to_le_bytes())),
+            WireDType::Bf16 => values.iter().for_each(|v| data.extend_from_slice(&bf16::from_f32(*v).to_le_bytes())),
+            WireDType::F16 => values.iter().for_each(|v| data.extend_from_slice(&f16::from_f32(*v).to_le_bytes())),
+        }
+        Self { name: name.into(), dtype, shape: shape.to_vec(), data }
+    }
+
+    /// Checks that the bytes match the shape and dtype.
+    pub fn validate(&self, limits: &Limits) -> Result<()> {
+        if self.name.len() > limits.max_name_len {
+            return Err(WireError::InvalidField {
+                field: "tensor name",
+                reason: format!("{} bytes exceed the limit of {}", self.name.len(), limits.max_name_len),
+            });
+        }
+        let expected = byte_len(&self.shape, self.dtype).unwrap_or(u64::MAX);
+        if expected != self.data.len() as u64 {
+            return Err(WireError::TensorSizeMismatch {
+                name: self.name.clone(),
+                shape: self.shape.clone(),
+                dtype: self.dtype.to_string(),
+                expected,
+                found: self.data.len() as u64,
+            });
+        }
+        Ok(())
+    }
+
+    /// Number of values.
+    pub fn len(&self) -> usize {
+        self.data.len() / self.dtype.size() as usize
+    }
+
+    /// Whether the tensor holds no values.
+    pub fn is_empty(&self) -> bool {
+        self.data.is_empty()
+    }
+
+    /// The values as f32.
+    pub fn values(&self) -> Vec<f32> {
+        match self.dtype {
+            WireDType::F32 => self.data.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+            WireDType::Bf16 => self.data.chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+            WireDType::F16 => self.data.chunks_exact(2).map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+        }
+    }
+
+    /// The index of the first NaN or infinite value, if any.
+    pub fn first_non_finite(&self) -> Option<usize> {
+        self.values().iter().position(|v| !v.is_finite())
+    }
+}
+
+/// The content of a model or update transfer.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct TensorPayload {
+    /// The tensors, in a stable order.
+    pub tensors: Vec<WireTensor>,
+}
+
+impl TensorPayload {
+    /// CBOR bytes of the payload.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        serde_cbor::to_vec(self).unwrap_or_default()
+    }
+
+    /// Decodes and validates a payload. With `require_finite`, a NaN or infinity anywhere
+    /// is refused (updates must be finite; the aggregator never averages them in).
+    pub fn from_bytes(bytes: &[u8], limits: &Limits, require_finite: bool) -> Result<Self> {
+        if bytes.len() as u64 > limits.max_transfer_bytes {
+            return Err(WireError::TransferTooLarge { size: bytes.len() as u64, max: limits.max_transfer_bytes });
+        }
+        let payload: Self = serde_cbor::from_slice(bytes).map_err(|e| WireError::Malformed(e.to_string()))?;
+        if payload.tensors.len() > limits.max_tensors {
+            return Err(WireError::TooManyTensors { count: payload.tensors.len(), max: limits.max_tensors });
+        }
+        for t in &payload.tensors {
+            t.validate(limits)?;
+            if require_finite {
+                if let Some(index) = t.first_non_finite() {
+                    return Err(WireError::NonFinite { name: t.name.clone(), index });
+                }
+            }
+        }
+        Ok(payload)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn f32_codec_is_exact_and_half_codecs_stay_within_their_precision() {
+        let values: Vec<f32> = (0..1000).map(|i| ((i as f32) * 0.37).sin() * 3.0).collect();
+        let exact = WireTensor::encode("w", &[10, 100], &values, WireDType::F32);
+        assert_eq!(exact.values(), values);
+        for (dtype, rel) in [(WireDType::Bf16, 1.0 / 128.0), (WireDType::F16, 1.0 / 1024.0)] {
+            let t = WireTensor::encode("w", &[10, 100], &values, dtype);
+            assert_eq!(t.data.len(), 2000);
+            for (a, b) in t.values().iter().zip(&values) {
+                assert!((a - b).abs() <= rel * b.abs() + 1e-6, "{dtype}: {a} vs {b}");
+            }
+        }
+    }
+
+    #[test]
+    fn shape_that_disagrees_with_bytes_is_refused_naming_the_tensor() {
+        let mut t = WireTensor::encode("h.0.attn.c_attn.weight", &[2, 3], &[0.0; 6], WireDType::F32);
+        t.shape = vec![3, 3];
+        let err = t.validate(&Limits::default()).unwrap_err().to_string();
+        assert!(err.contains("h.0.attn.c_attn.weight") && err.contains("36") && err.contains("24"), "{err}");
+    }
+
+    #[test]
+    fn overflowing_shape_is_refused_without_allocating() {
+        let t = WireTensor { name: "x".into(), dtype: WireDType::F32, shape: vec![u64::MAX, 4], data: vec![] };
+        assert!(matches!(t.validate(&Limits::default()), Err(WireError::TensorSizeMismatch { .. })));
+    }
+
+    #[test]
+    fn payload_with_nan_is_refused_when_finite_values_are_required() {
+        let p = TensorPayload { tensors: vec![WireTensor::encode("b", &[3], &[1.0, f32::NAN, 2.0], WireDType::F32)] };
+        let bytes = p.to_bytes();
+        assert_eq!(TensorPayload::from_bytes(&bytes, &Limits::default(), false).unwrap(), p);
+        let err = TensorPayload::from_bytes(&bytes, &Limits::default(), true).unwrap_err();
+        assert_eq!(err, WireError::NonFinite { name: "b".into(), index: 1 });
+    }
+
+    #[test]
+    fn payload_with_too_many_tensors_is_refused() {
+        let p = TensorPayload {
+            tensors: (0..5).map(|i| WireTensor::encode(format!("t{i}"), &[1], &[0.0], WireDType::F32)).collect(),
+        };
+        let limits = Limits { max_tensors: 4, ..Limits::default() };
+        assert_eq!(
+            TensorPayload::from_bytes(&p.to_bytes(), &limits, true),
+            Err(WireError::TooManyTensors { count: 5, max: 4 })
+        );
+    }
+}

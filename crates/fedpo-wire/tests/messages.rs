@@ -1,0 +1,147 @@
+//! Every message survives encoding, and hostile bytes are refused with a named reason.
+
+use std::collections::BTreeMap;
+
+use fedpo_wire::*;
+use proptest::prelude::*;
+
+fn manifest(transfer: &str, bytes: u64, chunks: u32) -> Manifest {
+    Manifest {
+        transfer: transfer.into(),
+        bytes,
+        chunks,
+        sha256: vec![7; 32],
+        tensors: vec![TensorInfo { name: "h.0.ln_1.weight".into(), dtype: WireDType::F32, shape: vec![bytes / 4] }],
+    }
+}
+
+fn finite() -> impl Strategy<Value = f64> {
+    -1e6f64..1e6
+}
+
+fn name() -> impl Strategy<Value = String> {
+    "[a-z0-9._/-]{1,40}"
+}
+
+prop_compose! {
+    fn arb_manifest()(transfer in name(), n in 1u64..10_000, extra in 0u32..3) -> Manifest {
+        let bytes = n * 4;
+        manifest(&transfer, bytes, bytes.div_ceil(DEFAULT_CHUNK_BYTES as u64) as u32 + extra)
+    }
+}
+
+prop_compose! {
+    fn arb_metrics()(train_loss in finite(), reward_acc in 0.0f64..1.0, heldout in proptest::option::of(0.0f64..1.0),
+                     grad_norm in 0.0f64..100.0, seconds in 0.0f64..1e4) -> UpdateMetrics {
+        UpdateMetrics { train_loss, reward_acc, heldout_acc: heldout, grad_norm, seconds }
+    }
+}
+
+fn arb_message() -> impl Strategy<Value = Message> {
+    prop_oneof![
+        (name(), any::<u64>(), name(), any::<u64>()).prop_map(|(device, pairs, backend, memory_mb)| Message::Hello(
+            DeviceHello { device, pairs, backend, memory_mb }
+        )),
+        (
+            any::<u64>(),
+            proptest::collection::vec(name(), 0..8),
+            1u32..100,
+            finite(),
+            finite(),
+            1u32..64,
+            arb_manifest(),
+            proptest::collection::btree_map("[a-z_]{1,12}", finite(), 0..4)
+        )
+            .prop_map(|(round, selected, local_steps, lr, beta, batch_pairs, global_model, strategy)| {
+                Message::Plan(RoundPlan {
+                    round,
+                    selected,
+                    hyper: Hyperparameters { method: "pfeddpo".into(), local_steps, lr, beta, batch_pairs },
+                    strategy,
+                    global_model,
+                })
+            }),
+        (any::<u64>(), name(), any::<u64>(), arb_metrics(), arb_manifest()).prop_map(
+            |(round, device, pairs, metrics, update)| Message::Update(Update { round, device, pairs, metrics, update })
+        ),
+        (name(), 1u32..1000, proptest::collection::vec(any::<u8>(), 0..2048)).prop_flat_map(
+            |(transfer, count, bytes)| {
+                (0..count).prop_map(move |index| {
+                    Message::Chunk(TransferChunk { transfer: transfer.clone(), index, count, bytes: bytes.clone() })
+                })
+            }
+        ),
+        (any::<u64>(), proptest::collection::vec(name(), 0..8), finite(), proptest::collection::vec(any::<u8>(), 32))
+            .prop_map(|(round, participants, train_loss, global_sha256)| {
+                Message::Result(RoundResult { round, participants, train_loss, global_sha256 })
+            }),
+    ]
+}
+
+proptest! {
+    #[test]
+    fn every_message_type_round_trips_through_cbor(msg in arb_message()) {
+        let bytes = msg.encode();
+        prop_assert_eq!(Message::decode(&bytes, &Limits::default()).unwrap(), msg);
+    }
+
+    #[test]
+    fn arbitrary_bytes_never_panic_the_decoder(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+        let _ = Message::decode(&bytes, &Limits::default());
+        let _ = TensorPayload::from_bytes(&bytes, &Limits::default(), true);
+    }
+}
+
+#[test]
+fn oversized_message_is_refused_before_parsing() {
+    let limits = Limits { max_message_bytes: 100, ..Limits::default() };
+    let err = Message::decode(&[0u8; 101], &limits).unwrap_err();
+    assert_eq!(err, WireError::MessageTooLarge { size: 101, max: 100 });
+    assert!(err.to_string().contains("100"));
+}
+
+#[test]
+fn unknown_protocol_version_is_refused_naming_both_versions() {
+    #[derive(serde::Serialize)]
+    struct Future {
+        version: u16,
+        message: Message,
+    }
+    let hello = Message::Hello(DeviceHello { device: "d".into(), pairs: 1, backend: "cpu".into(), memory_mb: 1 });
+    let bytes = serde_cbor::to_vec(&Future { version: 9, message: hello }).unwrap();
+    let err = Message::decode(&bytes, &Limits::default()).unwrap_err();
+    assert_eq!(err, WireError::UnsupportedVersion { found: 9, supported: PROTOCOL_VERSION });
+}
+
+#[test]
+fn manifest_announcing_more_than_the_transfer_limit_is_refused() {
+    let limits = Limits { max_transfer_bytes: 1 << 20, ..Limits::default() };
+    let msg = Message::Update(Update {
+        round: 1,
+        device: "d".into(),
+        pairs: 1,
+        metrics: UpdateMetrics { train_loss: 0.5, reward_acc: 0.5, heldout_acc: None, grad_norm: 1.0, seconds: 1.0 },
+        update: manifest("r1/d", 2 << 20, 2),
+    });
+    let err = Message::decode(&msg.encode(), &limits).unwrap_err();
+    assert!(matches!(err, WireError::TransferTooLarge { size, max } if size == 2 << 20 && max == 1 << 20), "{err}");
+}
+
+#[test]
+fn plan_with_non_finite_learning_rate_is_refused() {
+    let msg = Message::Plan(RoundPlan {
+        round: 1,
+        selected: vec![],
+        hyper: Hyperparameters { method: "pfeddpo".into(), local_steps: 1, lr: f64::NAN, beta: 0.2, batch_pairs: 4 },
+        strategy: BTreeMap::new(),
+        global_model: manifest("r1/global", 4, 1),
+    });
+    let err = Message::decode(&msg.encode(), &Limits::default()).unwrap_err();
+    assert!(err.to_string().contains("lr"), "{err}");
+}
+
+#[test]
+fn chunk_index_past_its_count_is_refused() {
+    let msg = Message::Chunk(TransferChunk { transfer: "t".into(), index: 3, count: 3, bytes: vec![1] });
+    assert!(matches!(Message::decode(&msg.encode(), &Limits::default()), Err(WireError::BadChunk { .. })));
+}

@@ -1,0 +1,89 @@
+//! Chunked transfers: order, duplicates, corruption and size limits.
+
+use fedpo_wire::*;
+
+fn payload(values: usize) -> TensorPayload {
+    let v: Vec<f32> = (0..values).map(|i| (i as f32 * 0.001).cos()).collect();
+    TensorPayload {
+        tensors: vec![
+            WireTensor::encode("h.0.attn.c_attn.weight", &[values as u64 / 2, 2], &v, WireDType::F32),
+            WireTensor::encode("ln_f.bias", &[4], &[0.5, -0.5, 1.0, 2.0], WireDType::Bf16),
+        ],
+    }
+}
+
+#[test]
+fn chunks_in_reverse_order_with_duplicates_reassemble_the_exact_payload() {
+    let p = payload(700_000); // 2.8 MB: three 1 MiB chunks
+    let (manifest, chunks) = split_payload("r1/global", &p, DEFAULT_CHUNK_BYTES);
+    assert_eq!(manifest.chunks, 3);
+    let mut r = Reassembler::new(manifest.clone(), &Limits::default()).unwrap();
+    let mut done = None;
+    for chunk in chunks.iter().rev().chain(chunks.iter()) {
+        // Every chunk crosses the wire as a message.
+        let decoded = match Message::decode(&Message::Chunk(chunk.clone()).encode(), &Limits::default()).unwrap() {
+            Message::Chunk(c) => c,
+            other => panic!("{other:?}"),
+        };
+        match r.accept(decoded).unwrap() {
+            Progress::Complete(bytes) => done = Some(bytes),
+            Progress::Duplicate => assert!(done.is_some(), "a duplicate before completion"),
+            Progress::Accepted { .. } => {}
+        }
+    }
+    let bytes = done.expect("complete");
+    assert_eq!(sha256(&bytes), manifest.sha256);
+    assert_eq!(TensorPayload::from_bytes(&bytes, &Limits::default(), true).unwrap(), p);
+}
+
+#[test]
+fn corrupted_chunk_fails_the_hash_and_a_clean_resend_succeeds() {
+    let p = payload(600_000);
+    let (manifest, chunks) = split_payload("r2/dev-1", &p, DEFAULT_CHUNK_BYTES);
+    let mut r = Reassembler::new(manifest, &Limits::default()).unwrap();
+    let mut bad = chunks.clone();
+    bad[1].bytes[10] ^= 0xFF;
+    let mut result = Ok(Progress::Duplicate);
+    for c in bad {
+        result = r.accept(c);
+    }
+    let err = result.unwrap_err();
+    assert!(matches!(err, WireError::HashMismatch { .. }), "{err}");
+    assert!(err.to_string().contains("r2/dev-1"));
+    let last = chunks.into_iter().map(|c| r.accept(c).unwrap()).last().unwrap();
+    assert!(matches!(last, Progress::Complete(_)));
+}
+
+#[test]
+fn chunk_of_another_transfer_or_count_is_refused() {
+    let (manifest, chunks) = split_payload("r1/global", &payload(1000), DEFAULT_CHUNK_BYTES);
+    let mut r = Reassembler::new(manifest, &Limits::default()).unwrap();
+    let mut other = chunks[0].clone();
+    other.transfer = "r1/dev-9".into();
+    assert!(matches!(r.accept(other), Err(WireError::WrongTransfer { .. })));
+    let mut recount = chunks[0].clone();
+    recount.count = 2;
+    assert!(matches!(r.accept(recount), Err(WireError::BadChunk { .. })));
+}
+
+#[test]
+fn chunks_carrying_more_bytes_than_announced_are_refused() {
+    let (mut manifest, chunks) = split_payload("t", &payload(300_000), DEFAULT_CHUNK_BYTES);
+    manifest.bytes -= 1;
+    let mut r = Reassembler::new(manifest, &Limits::default()).unwrap();
+    let errs: Vec<_> = chunks.into_iter().filter_map(|c| r.accept(c).err()).collect();
+    assert!(matches!(errs.first(), Some(WireError::TransferTooLarge { .. })), "{errs:?}");
+}
+
+#[test]
+fn distilgpt2_base_in_f32_needs_313_chunks_of_1_mib() {
+    // 81,912,576 parameters x 4 bytes = 327.65 MB, above MQTT's 256 MB packet limit.
+    let bytes: u64 = 81_912_576 * 4;
+    let chunks = bytes.div_ceil(DEFAULT_CHUNK_BYTES as u64);
+    assert_eq!(chunks, 313);
+    let m =
+        Manifest { transfer: "r1/global".into(), bytes, chunks: chunks as u32, sha256: vec![0; 32], tensors: vec![] };
+    m.validate(&Limits::default()).unwrap();
+    let too_few = Manifest { chunks: 312, ..m };
+    assert!(too_few.validate(&Limits::default()).is_err());
+}

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# DPO step time and peak memory, fedpo vs the PyTorch + PEFT peer, same machine, same run.
+#
+#   scripts/bench_vs_peer.sh [OUT_DIR]
+#
+# Needs the peer's Python environment (see ../shared/bench/README.md):
+#   python3 -m venv /tmp/peer-venv && /tmp/peer-venv/bin/pip install torch transformers peft safetensors
+# Environment: PEER_PY (default /tmp/peer-venv/bin/python), PEER_SCRIPT (default
+# ../shared/bench/dpo_step_bench.py), STEPS (default 8), SHAPES ("tiny distilgpt2").
+# The two programs alternate per configuration so background load hits both alike; the
+# peer runs with the tuned glibc allocator settings, i.e. at its best.
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+out="${1:-$root/runs/bench}"
+peer_py="${PEER_PY:-/tmp/peer-venv/bin/python}"
+peer_script="${PEER_SCRIPT:-$root/../shared/bench/dpo_step_bench.py}"
+steps="${STEPS:-8}"
+shapes="${SHAPES:-tiny distilgpt2}"
+mkdir -p "$out"
+cargo build --release -p fedpo-device --manifest-path "$root/Cargo.toml" >&2
+fedpo="$root/target/release/fedpo-device"
+
+for shape in $shapes; do
+  for mode in trainable frozen; do
+    flags=(--pairs 4 --prompt-len 64 --resp-len 64 --steps "$steps")
+    [ "$shape" = tiny ] && flags+=(--tiny)
+    [ "$mode" = frozen ] && flags+=(--base-frozen)
+    echo "== $shape $mode: fedpo" >&2
+    "$fedpo" bench "${flags[@]}" > "$out/fedpo-$shape-$mode.json"
+    echo "== $shape $mode: peer" >&2
+    MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=17179869184 "$peer_py" "$peer_script" "${flags[@]}" > "$out/peer-$shape-$mode.json"
+    echo "== $shape $mode: peer --logits-to-keep" >&2
+    MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=17179869184 "$peer_py" "$peer_script" "${flags[@]}" --logits-to-keep > "$out/peer-keep-$shape-$mode.json"
+  done
+done
+
+python3 - "$out" "$shapes" <<'PY'
+import json, sys, os
+out, shapes = sys.argv[1], sys.argv[2].split()
+def load(name):
+    with open(os.path.join(out, name)) as f:
+        return json.load(f)
+print("| shape | mode | fedpo s/step | peer s/step | peer (logits-to-keep) s/step | pairs/s vs peer | vs peer at its best | fedpo peak RSS MB | peer peak RSS MB | RSS ratio |")
+print("|---|---|---|---|---|---|---|---|---|---|")
+for shape in shapes:
+    for mode in ("trainable", "frozen"):
+        f = load(f"fedpo-{shape}-{mode}.json"); p = load(f"peer-{shape}-{mode}.json"); k = load(f"peer-keep-{shape}-{mode}.json")
+        fs, ps, ks = f["seconds_per_step_median"], p["seconds_per_step_median"], k["seconds_per_step_median"]
+        print(f"| {shape} | {mode} | {fs:.3f} | {ps:.3f} | {ks:.3f} | {ps/fs:.2f}x | {min(ps, ks)/fs:.2f}x "
+              f"| {f['peak_rss_mb']:.0f} | {p['peak_rss_mb']:.0f} | {f['peak_rss_mb']/p['peak_rss_mb']:.2f} |")
+PY
