@@ -8,8 +8,7 @@ use fedpo_data::{tokenize_pairs, PreferencePair, TokenizedPair};
 use fedpo_model::checkpoint::{load_adapter, save_adapter};
 use fedpo_model::{Gpt2Config, Gpt2Tokenizer, LoraConfig, Partition, PartitionPreset, Policy, PolicySpec};
 use fedpo_train::{
-    compute_reference, evaluate, DpoSettings, EvalMetrics, LocalTrainer, LossKind, OptimConfig, OptimKind,
-    PreferenceSet,
+    evaluate, score_pairs, DpoSettings, EvalMetrics, LocalTrainer, LossKind, OptimConfig, OptimKind, PreferenceSet,
 };
 
 fn tokenize(pairs: &[PreferencePair], tok: &Gpt2Tokenizer) -> Vec<TokenizedPair> {
@@ -17,7 +16,7 @@ fn tokenize(pairs: &[PreferencePair], tok: &Gpt2Tokenizer) -> Vec<TokenizedPair>
 }
 
 fn set(policy: &Policy, pairs: Vec<TokenizedPair>, pad: u32) -> PreferenceSet {
-    let reference = compute_reference(policy, &pairs, 8, pad).unwrap();
+    let reference = score_pairs(policy, &pairs, 8, pad).unwrap();
     PreferenceSet { pairs, reference }
 }
 

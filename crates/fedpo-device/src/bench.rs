@@ -15,7 +15,7 @@ use candle_core::{DType, Device};
 use clap::Args;
 use fedpo_data::TokenizedPair;
 use fedpo_model::{Gpt2Config, LoraConfig, Partition, PartitionPreset, Policy, PolicySpec};
-use fedpo_train::{compute_reference, DpoSettings, LocalTrainer, LossKind, OptimConfig, OptimKind, PreferenceSet};
+use fedpo_train::{score_pairs, DpoSettings, LocalTrainer, LossKind, OptimConfig, OptimKind, PreferenceSet};
 use rand::{Rng, SeedableRng};
 use serde_json::json;
 
@@ -129,7 +129,7 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
         pad_id: vocab - 1,
     };
     let t_ref = Instant::now();
-    let reference = compute_reference(&policy, &pairs, args.pairs, settings.pad_id)?;
+    let reference = score_pairs(&policy, &pairs, args.pairs, settings.pad_id)?;
     let ref_s = t_ref.elapsed().as_secs_f64();
     let data = PreferenceSet { pairs, reference };
     let mut trainer = LocalTrainer::new(settings, OptimConfig::new(args.optim, args.lr), args.seed)?;

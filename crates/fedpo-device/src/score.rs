@@ -9,10 +9,10 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::Args;
-use fedpo_data::{collate, load_jsonl, DataFormat};
+use fedpo_data::{load_jsonl, DataFormat};
 use fedpo_model::io::write_atomic;
 use fedpo_model::PartitionPreset;
-use fedpo_train::logps::{sequence_logps_values, BatchTensors};
+use fedpo_train::score_pairs;
 use serde_json::json;
 
 use crate::setup::{parse_device, tokenize, ModelArgs};
@@ -51,16 +51,10 @@ pub(crate) fn run(mut args: ScoreArgs) -> Result<()> {
         tracing::warn!(skipped = loaded.skipped, "skipped bad lines");
     }
     let pairs = tokenize(&loaded.pairs, &tokenizer, args.max_len, policy.spec.config.n_positions)?;
+    let scores = score_pairs(&policy, &pairs, args.batch_pairs, tokenizer.eos_id())?;
     let mut out = Vec::new();
-    let (dtype, dev) = (policy.model_dtype(), policy.model_device());
-    for (k, chunk) in pairs.chunks(args.batch_pairs.max(1)).enumerate() {
-        let batch = BatchTensors::new(&collate(&chunk.iter().collect::<Vec<_>>(), tokenizer.eos_id()), dtype, &dev)?;
-        let values = sequence_logps_values(&policy, &batch)?;
-        for i in 0..chunk.len() {
-            let index = k * args.batch_pairs.max(1) + i;
-            let line = json!({ "index": index, "chosen_logp": values[i], "rejected_logp": values[chunk.len() + i] });
-            writeln!(out, "{line}")?;
-        }
+    for (index, (chosen, rejected)) in scores.chosen.iter().zip(&scores.rejected).enumerate() {
+        writeln!(out, "{}", json!({ "index": index, "chosen_logp": chosen, "rejected_logp": rejected }))?;
     }
     match &args.out {
         Some(path) => {

@@ -18,7 +18,8 @@ pub(crate) struct ModelArgs {
     /// config.json, model.safetensors and optionally tokenizer.json.
     #[arg(long, default_value = "tiny")]
     pub(crate) model: String,
-    /// Start from a saved adapter instead of a fresh one.
+    /// Start from a saved adapter instead of a fresh one; its rank, alpha and targets
+    /// then come from the file, not from --rank/--alpha/--targets.
     #[arg(long)]
     pub(crate) adapter: Option<PathBuf>,
     /// LoRA rank.
@@ -71,6 +72,9 @@ impl ModelArgs {
     /// Builds the policy and its tokenizer.
     pub(crate) fn build(&self, device: &Device) -> Result<(Policy, Gpt2Tokenizer)> {
         let partition = Partition { preset: self.partition, freeze_embeddings: self.freeze_embeddings };
+        if self.adapter.is_some() && !partition.uses_adapter() {
+            bail!("--adapter was given but --partition {} has no adapter; use pfeddpo or shared-lora", self.partition);
+        }
         let adapter = match &self.adapter {
             Some(path) => {
                 Some(load_adapter(path, device).with_context(|| format!("loading adapter {}", path.display()))?)

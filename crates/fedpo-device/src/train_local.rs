@@ -11,8 +11,8 @@ use fedpo_model::checkpoint::{save_adapter, save_model_dir};
 use fedpo_model::io::{hash_tensors, write_atomic};
 use fedpo_model::{ParamKind, ParamRole, Policy};
 use fedpo_train::{
-    compute_reference, evaluate, load_or_compute_reference, DpoSettings, EvalMetrics, LocalTrainer, LossKind,
-    OptimConfig, OptimKind, PreferenceSet,
+    evaluate, load_or_score_pairs, score_pairs, DpoSettings, EvalMetrics, LocalTrainer, LossKind, OptimConfig,
+    OptimKind, PreferenceSet,
 };
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
@@ -102,8 +102,8 @@ fn reference_set(
     settings: &DpoSettings,
 ) -> Result<PreferenceSet> {
     let fp = fingerprint(&pairs);
-    let (reference, hit) = load_or_compute_reference(&cache, model_hash, &fp, || {
-        compute_reference(policy, &pairs, settings.batch_pairs, settings.pad_id)
+    let (reference, hit) = load_or_score_pairs(&cache, model_hash, &fp, || {
+        score_pairs(policy, &pairs, settings.batch_pairs, settings.pad_id)
     })?;
     tracing::info!(pairs = pairs.len(), cached = hit, file = %cache.display(), "reference log-probs ready");
     Ok(PreferenceSet { pairs, reference })

@@ -201,3 +201,35 @@ fn bench_prints_the_peer_keys() {
     }
     assert_eq!(report["base_trainable"], true);
 }
+
+#[test]
+fn adapter_with_a_partition_that_has_none_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = fedpo_device(&[
+        "score",
+        "--model",
+        "tiny",
+        "--partition",
+        "feddpo",
+        "--adapter",
+        "missing.safetensors",
+        "--data",
+        fixture("data/shp-sample.jsonl").to_str().unwrap(),
+    ]);
+    // score always scores through the adapter path; train-local must refuse the mix.
+    assert!(!o.status.success());
+    let o = fedpo_device(&[
+        "train-local",
+        "--synthetic",
+        "--partition",
+        "feddpo",
+        "--adapter",
+        "a.safetensors",
+        "--steps",
+        "1",
+        "--out",
+        dir.path().to_str().unwrap(),
+    ]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("has no adapter"), "{}", stderr(&o));
+}

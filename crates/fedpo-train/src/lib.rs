@@ -12,5 +12,5 @@ mod trainer;
 pub use error::{Result, TrainError};
 pub use loss::LossKind;
 pub use optim::{OptimConfig, OptimKind, Optimizer};
-pub use reference::{compute_reference, load_or_compute_reference, RefLogps};
+pub use reference::{load_or_score_pairs, score_pairs, SequenceLogps};
 pub use trainer::{evaluate, DpoSettings, EvalMetrics, LocalTrainer, PreferenceSet, StepMetrics};

@@ -17,9 +17,10 @@ use crate::logps::{sequence_logps_values, BatchTensors};
 
 const FORMAT: &str = "fedpo-ref-logps/1";
 
-/// Reference log-probs of every pair, in data order.
+/// Summed response log-probs of every pair, in data order (the reference's, or any
+/// policy's when scoring).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct RefLogps {
+pub struct SequenceLogps {
     /// Summed log-prob of each chosen response.
     pub chosen: Vec<f64>,
     /// Summed log-prob of each rejected response.
@@ -31,17 +32,13 @@ struct CacheFile {
     format: String,
     model_hash: String,
     data_fingerprint: String,
-    logps: RefLogps,
+    logps: SequenceLogps,
 }
 
-/// Log-probs of `pairs` under `policy`, `batch_pairs` pairs per forward pass.
-pub fn compute_reference(
-    policy: &Policy,
-    pairs: &[TokenizedPair],
-    batch_pairs: usize,
-    pad_id: u32,
-) -> Result<RefLogps> {
-    let mut out = RefLogps { chosen: Vec::with_capacity(pairs.len()), rejected: Vec::with_capacity(pairs.len()) };
+/// Summed response log-probs of `pairs` under `policy`, `batch_pairs` pairs per forward
+/// pass: the reference before training, or a trained policy when scoring.
+pub fn score_pairs(policy: &Policy, pairs: &[TokenizedPair], batch_pairs: usize, pad_id: u32) -> Result<SequenceLogps> {
+    let mut out = SequenceLogps { chosen: Vec::with_capacity(pairs.len()), rejected: Vec::with_capacity(pairs.len()) };
     let (dtype, device) = (policy.model_dtype(), policy.model_device());
     for chunk in pairs.chunks(batch_pairs.max(1)) {
         let refs: Vec<&TokenizedPair> = chunk.iter().collect();
@@ -57,12 +54,12 @@ pub fn compute_reference(
 /// Reads the cache at `path` if it matches `model_hash` and `data_fingerprint`, else
 /// computes the log-probs and writes the cache atomically. Returns the log-probs and
 /// whether they came from the cache.
-pub fn load_or_compute_reference(
+pub fn load_or_score_pairs(
     path: &Path,
     model_hash: &str,
     data_fingerprint: &str,
-    compute: impl FnOnce() -> Result<RefLogps>,
-) -> Result<(RefLogps, bool)> {
+    compute: impl FnOnce() -> Result<SequenceLogps>,
+) -> Result<(SequenceLogps, bool)> {
     if let Ok(bytes) = std::fs::read(path) {
         match serde_json::from_slice::<CacheFile>(&bytes) {
             Ok(c) if c.format == FORMAT && c.model_hash == model_hash && c.data_fingerprint == data_fingerprint => {
@@ -94,18 +91,18 @@ mod tests {
     fn cache_is_reused_only_for_the_same_model_and_data() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("ref.json");
-        let logps = RefLogps { chosen: vec![-1.5, -2.25], rejected: vec![-3.0, -4.125] };
-        let (a, hit) = load_or_compute_reference(&path, "m1", "d1", || Ok(logps.clone())).unwrap();
+        let logps = SequenceLogps { chosen: vec![-1.5, -2.25], rejected: vec![-3.0, -4.125] };
+        let (a, hit) = load_or_score_pairs(&path, "m1", "d1", || Ok(logps.clone())).unwrap();
         assert!(!hit);
         assert_eq!(a, logps);
-        let (b, hit) = load_or_compute_reference(&path, "m1", "d1", || panic!("must not recompute")).unwrap();
+        let (b, hit) = load_or_score_pairs(&path, "m1", "d1", || panic!("must not recompute")).unwrap();
         assert!(hit);
         assert_eq!(b, logps);
-        let other = RefLogps { chosen: vec![0.0, 0.0], rejected: vec![0.0, 0.0] };
-        let (c, hit) = load_or_compute_reference(&path, "m2", "d1", || Ok(other.clone())).unwrap();
+        let other = SequenceLogps { chosen: vec![0.0, 0.0], rejected: vec![0.0, 0.0] };
+        let (c, hit) = load_or_score_pairs(&path, "m2", "d1", || Ok(other.clone())).unwrap();
         assert!(!hit);
         assert_eq!(c, other);
-        let (_, hit) = load_or_compute_reference(&path, "m2", "d2", || Ok(other.clone())).unwrap();
+        let (_, hit) = load_or_score_pairs(&path, "m2", "d2", || Ok(other.clone())).unwrap();
         assert!(!hit, "a new data fingerprint invalidates the cache");
     }
 }

@@ -19,7 +19,7 @@ use crate::error::{Result, TrainError};
 use crate::logps::{sequence_logps, sequence_logps_values, BatchTensors};
 use crate::loss::{check_loss_settings, preference_loss, LossKind, PairLogps};
 use crate::optim::{OptimConfig, Optimizer};
-use crate::reference::RefLogps;
+use crate::reference::SequenceLogps;
 
 /// Tokenized pairs with their reference log-probs.
 #[derive(Debug, Clone)]
@@ -27,7 +27,7 @@ pub struct PreferenceSet {
     /// The pairs.
     pub pairs: Vec<TokenizedPair>,
     /// Reference log-probs, aligned with `pairs`.
-    pub reference: RefLogps,
+    pub reference: SequenceLogps,
 }
 
 /// Loss and batching settings.

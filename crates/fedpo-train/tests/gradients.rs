@@ -5,9 +5,7 @@
 use candle_core::{DType, Device, Tensor, Var};
 use fedpo_data::TokenizedPair;
 use fedpo_model::{Gpt2Config, LoraConfig, ParamKind, Partition, PartitionPreset, Policy, PolicySpec};
-use fedpo_train::{
-    compute_reference, evaluate, DpoSettings, LocalTrainer, LossKind, OptimConfig, OptimKind, PreferenceSet,
-};
+use fedpo_train::{evaluate, score_pairs, DpoSettings, LocalTrainer, LossKind, OptimConfig, OptimKind, PreferenceSet};
 use rand::{Rng, SeedableRng};
 
 fn small_policy(preset: PartitionPreset, targets: &[&str], dtype: DType) -> Policy {
@@ -30,7 +28,7 @@ fn settings() -> DpoSettings {
 
 fn data(policy: &Policy) -> PreferenceSet {
     let pairs = random_pairs(4, 11);
-    let reference = compute_reference(policy, &pairs, 4, 63).unwrap();
+    let reference = score_pairs(policy, &pairs, 4, 63).unwrap();
     PreferenceSet { pairs, reference }
 }
 
