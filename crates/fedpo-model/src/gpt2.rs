@@ -213,6 +213,16 @@ impl Gpt2 {
         })
     }
 
+    /// The dtype the model computes in.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The device the model lives on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
     /// Final hidden states `[batch, seq, n_embd]` for token ids `[batch, seq]` (u32).
     pub fn hidden_states(&self, input_ids: &Tensor) -> Result<Tensor> {
         let (b, t) = input_ids.dims2()?;

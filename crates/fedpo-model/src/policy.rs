@@ -55,16 +55,14 @@ impl Policy {
     pub fn random(spec: PolicySpec, seed: u64, device: &Device) -> Result<Self> {
         Self::build(spec, None, None, seed, DType::F32, device)
     }
-}
 
-impl Policy {
     /// The dtype the model computes in.
     pub fn model_dtype(&self) -> DType {
-        self.params.iter().next().map(|p| p.tensor().dtype()).unwrap_or(DType::F32)
+        self.model.dtype()
     }
 
     /// The device the model lives on.
     pub fn model_device(&self) -> Device {
-        self.params.iter().next().map(|p| p.tensor().device().clone()).unwrap_or(Device::Cpu)
+        self.model.device().clone()
     }
 }

@@ -92,9 +92,10 @@ impl Gpt2Tokenizer {
         self.inner.get_vocab_size(true)
     }
 
-    /// Writes an HF `tokenizer.json`.
+    /// Writes an HF `tokenizer.json`, atomically.
     pub fn save(&self, path: &Path) -> Result<()> {
-        self.inner.save(path, false).map_err(tok_err)
+        let json = self.inner.to_string(false).map_err(tok_err)?;
+        crate::io::write_atomic(path, json.as_bytes())
     }
 }
 
