@@ -1,0 +1,358 @@
+//! One MQTT connection that survives broker restarts.
+//!
+//! A background thread drives rumqttc's event loop. After every ConnAck it resubscribes
+//! (a clean session forgets subscriptions) and republishes the outbox; after every failure
+//! it waits with exponential backoff and reconnects. Incoming publishes arrive on a
+//! channel as [`LinkEvent`]s, so a device can train for minutes without the connection
+//! timing out: pings keep flowing from the background thread.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use rumqttc::{Client, Connection, Event, LastWill, MqttOptions, Outgoing, Packet, QoS, Transport};
+
+use crate::error::{Result, TransportError};
+use crate::outbox::Outbox;
+use crate::url::{BrokerUrl, Scheme, TlsFiles};
+use crate::MAX_PACKET_BYTES;
+
+/// A message received on a subscribed topic.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Delivery {
+    /// The topic it was published on.
+    pub topic: String,
+    /// Its bytes.
+    pub payload: Vec<u8>,
+}
+
+/// What the link reports.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LinkEvent {
+    /// Connected (again); subscriptions and unacknowledged publishes are being restored.
+    Connected,
+    /// The connection dropped; the link is reconnecting.
+    Disconnected(String),
+    /// A message arrived.
+    Message(Delivery),
+}
+
+/// Connection settings beyond the URL.
+#[derive(Debug, Clone)]
+pub struct LinkOptions {
+    /// MQTT client id; the broker allows one connection per id.
+    pub client_id: String,
+    /// Published by the broker if this client vanishes: (topic, payload).
+    pub last_will: Option<(String, Vec<u8>)>,
+    /// TLS files for `mqtts://`.
+    pub tls: TlsFiles,
+    /// Every packet write must finish within this, or rumqttc drops the connection. Sized
+    /// for a 1 MiB chunk on a slow link, not rumqttc's 5 s default.
+    pub connection_timeout: Duration,
+    /// MQTT keep-alive.
+    pub keep_alive: Duration,
+    /// How long [`MqttLink::connect`] waits for the first ConnAck.
+    pub connect_wait: Duration,
+    /// Longest wait between reconnect attempts.
+    pub max_backoff: Duration,
+}
+
+impl LinkOptions {
+    /// Defaults for a client id.
+    pub fn new(client_id: impl Into<String>) -> Self {
+        Self {
+            client_id: client_id.into(),
+            last_will: None,
+            tls: TlsFiles::default(),
+            connection_timeout: Duration::from_secs(60),
+            keep_alive: Duration::from_secs(30),
+            connect_wait: Duration::from_secs(30),
+            max_backoff: Duration::from_secs(10),
+        }
+    }
+}
+
+struct Shared {
+    outbox: Mutex<Outbox>,
+    acked: Condvar,
+    subscriptions: Mutex<Vec<String>>,
+    /// Serialises publishers so the outbox order is the client's request order.
+    publishing: Mutex<()>,
+    connected: AtomicBool,
+    stop: AtomicBool,
+    /// The latest connection error, for [`TransportError::ConnectTimeout`].
+    last_error: Mutex<String>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic elsewhere must not take the connection down with it.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A reconnecting QoS 1 MQTT connection.
+pub struct MqttLink {
+    client: Client,
+    shared: Arc<Shared>,
+    events: Receiver<LinkEvent>,
+    broker: String,
+    thread: Option<JoinHandle<()>>,
+}
+
+fn read_file(what: &'static str, path: &std::path::Path) -> Result<Vec<u8>> {
+    std::fs::read(path).map_err(|source| TransportError::TlsFile { what, path: path.display().to_string(), source })
+}
+
+fn mqtt_options(url: &BrokerUrl, opts: &LinkOptions) -> Result<MqttOptions> {
+    let mut o = MqttOptions::new(opts.client_id.clone(), url.host.clone(), url.port);
+    o.set_keep_alive(opts.keep_alive)
+        .set_max_packet_size(MAX_PACKET_BYTES, MAX_PACKET_BYTES)
+        .set_clean_session(true)
+        .set_inflight(64)
+        .set_request_channel_capacity(16);
+    if let Some(user) = &url.username {
+        o.set_credentials(user.clone(), url.password.clone().unwrap_or_default());
+    }
+    if let Some((topic, payload)) = &opts.last_will {
+        o.set_last_will(LastWill::new(topic.clone(), payload.clone(), QoS::AtLeastOnce, false));
+    }
+    if url.scheme == Scheme::Mqtts {
+        // rustls needs a process-wide crypto provider; installing twice is harmless.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let client_auth = match (&opts.tls.cert, &opts.tls.key) {
+            (Some(c), Some(k)) => Some((read_file("client certificate", c)?, read_file("client key", k)?)),
+            (None, None) => None,
+            _ => {
+                return Err(TransportError::BadUrl {
+                    url: url.to_string(),
+                    reason: "a client certificate needs its key, and a key its certificate".into(),
+                })
+            }
+        };
+        let transport = match &opts.tls.ca {
+            Some(ca) => Transport::tls(read_file("CA certificate", ca)?, client_auth, None),
+            None if client_auth.is_none() => Transport::tls_with_default_config(),
+            None => {
+                return Err(TransportError::BadUrl {
+                    url: url.to_string(),
+                    reason: "mutual TLS needs the CA certificate (--ca) as well".into(),
+                })
+            }
+        };
+        o.set_transport(transport);
+    }
+    Ok(o)
+}
+
+impl MqttLink {
+    /// Connects and waits for the first ConnAck (up to `opts.connect_wait`).
+    pub fn connect(url: &BrokerUrl, opts: &LinkOptions) -> Result<Self> {
+        let (client, mut connection) = Client::new(mqtt_options(url, opts)?, 16);
+        let mut network = connection.eventloop.network_options();
+        network.set_connection_timeout(opts.connection_timeout.as_secs().max(1));
+        connection.eventloop.set_network_options(network);
+        let shared = Arc::new(Shared {
+            outbox: Mutex::new(Outbox::default()),
+            acked: Condvar::new(),
+            subscriptions: Mutex::new(Vec::new()),
+            publishing: Mutex::new(()),
+            connected: AtomicBool::new(false),
+            stop: AtomicBool::new(false),
+            last_error: Mutex::new("no answer".into()),
+        });
+        let (tx, events) = mpsc::channel();
+        let (first_tx, first_rx) = mpsc::channel();
+        let thread = {
+            let (client, shared, max_backoff) = (client.clone(), shared.clone(), opts.max_backoff);
+            let name = format!("mqtt-{}", opts.client_id);
+            std::thread::Builder::new()
+                .name(name)
+                .spawn(move || drive(connection, client, shared, tx, first_tx, max_backoff))
+                .map_err(|e| TransportError::Closed { broker: format!("{url}: {e}") })?
+        };
+        let link = Self { client, shared, events, broker: url.to_string(), thread: Some(thread) };
+        match first_rx.recv_timeout(opts.connect_wait) {
+            Ok(()) => Ok(link),
+            Err(_) => Err(TransportError::ConnectTimeout {
+                broker: url.to_string(),
+                seconds: opts.connect_wait.as_secs(),
+                last_error: lock(&link.shared.last_error).clone(),
+            }),
+        }
+    }
+
+    /// Subscribes at QoS 1 now and after every reconnect.
+    pub fn subscribe(&self, filter: &str) -> Result<()> {
+        lock(&self.shared.subscriptions).push(filter.to_string());
+        self.client.subscribe(filter, QoS::AtLeastOnce).map_err(|_| self.closed())
+    }
+
+    /// Publishes at QoS 1; the payload is kept until the broker acknowledges it. Blocks
+    /// while rumqttc's request queue is full, which paces large transfers.
+    pub fn publish(&self, topic: &str, payload: Vec<u8>) -> Result<()> {
+        if payload.len() + topic.len() + 16 > MAX_PACKET_BYTES {
+            return Err(TransportError::PacketTooLarge {
+                topic: topic.to_string(),
+                size: payload.len(),
+                max: MAX_PACKET_BYTES,
+            });
+        }
+        if self.shared.stop.load(Ordering::SeqCst) {
+            return Err(self.closed());
+        }
+        let _order = lock(&self.shared.publishing);
+        lock(&self.shared.outbox).queued(topic, &payload);
+        self.client.publish(topic, QoS::AtLeastOnce, false, payload).map_err(|_| self.closed())
+    }
+
+    /// The next event, waiting up to `timeout`; `Ok(None)` on timeout.
+    pub fn recv_timeout(&self, timeout: Duration) -> Result<Option<LinkEvent>> {
+        match self.events.recv_timeout(timeout) {
+            Ok(e) => Ok(Some(e)),
+            Err(RecvTimeoutError::Timeout) => Ok(None),
+            Err(RecvTimeoutError::Disconnected) => Err(self.closed()),
+        }
+    }
+
+    /// Waits until the broker has acknowledged every publish, up to `timeout`. Returns
+    /// whether it did.
+    pub fn flush(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        let mut outbox = lock(&self.shared.outbox);
+        while !outbox.is_empty() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            outbox = self.shared.acked.wait_timeout(outbox, left).unwrap_or_else(|e| e.into_inner()).0;
+        }
+        true
+    }
+
+    /// Whether the link is connected right now.
+    pub fn is_connected(&self) -> bool {
+        self.shared.connected.load(Ordering::SeqCst)
+    }
+
+    /// Publishes not yet acknowledged.
+    pub fn unacked(&self) -> usize {
+        lock(&self.shared.outbox).len()
+    }
+
+    /// The broker, for messages.
+    pub fn broker(&self) -> &str {
+        &self.broker
+    }
+
+    /// Flushes for up to `linger`, then disconnects cleanly (no last will).
+    pub fn close(mut self, linger: Duration) {
+        self.flush(linger);
+        self.shutdown();
+    }
+
+    fn shutdown(&mut self) {
+        self.shared.stop.store(true, Ordering::SeqCst);
+        let _ = self.client.try_disconnect();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+
+    fn closed(&self) -> TransportError {
+        TransportError::Closed { broker: self.broker.clone() }
+    }
+}
+
+impl Drop for MqttLink {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// The background thread: rumqttc's event loop plus fedpo's reconnect policy.
+fn drive(
+    mut connection: Connection,
+    client: Client,
+    shared: Arc<Shared>,
+    tx: Sender<LinkEvent>,
+    first: Sender<()>,
+    max_backoff: Duration,
+) {
+    let mut backoff = Duration::from_millis(100);
+    let mut first = Some(first);
+    let mut connect_failures = 0u32;
+    for notification in connection.iter() {
+        if shared.stop.load(Ordering::SeqCst) {
+            break;
+        }
+        match notification {
+            Ok(Event::Incoming(Packet::ConnAck(_))) => {
+                shared.connected.store(true, Ordering::SeqCst);
+                backoff = Duration::from_millis(100);
+                connect_failures = 0;
+                restore(client.clone(), shared.clone());
+                if let Some(f) = first.take() {
+                    let _ = f.send(());
+                }
+                let _ = tx.send(LinkEvent::Connected);
+            }
+            Ok(Event::Incoming(Packet::Publish(p))) => {
+                let _ = tx.send(LinkEvent::Message(Delivery { topic: p.topic, payload: p.payload.to_vec() }));
+            }
+            Ok(Event::Incoming(Packet::PubAck(ack))) => {
+                lock(&shared.outbox).acked(ack.pkid);
+                shared.acked.notify_all();
+            }
+            Ok(Event::Outgoing(Outgoing::Publish(pkid))) => lock(&shared.outbox).sent(pkid),
+            Ok(_) => {}
+            Err(e) => {
+                if shared.stop.load(Ordering::SeqCst) {
+                    break;
+                }
+                let reason = e.to_string();
+                if shared.connected.swap(false, Ordering::SeqCst) {
+                    tracing::warn!(error = %reason, "MQTT connection lost; reconnecting");
+                    let _ = tx.send(LinkEvent::Disconnected(reason.clone()));
+                } else {
+                    connect_failures += 1;
+                    if connect_failures == 1 || connect_failures.is_power_of_two() {
+                        tracing::debug!(error = %reason, attempt = connect_failures, "MQTT connect failed");
+                    }
+                }
+                *lock(&shared.last_error) = reason;
+                std::thread::sleep(backoff);
+                backoff = (backoff * 2).min(max_backoff);
+            }
+        }
+    }
+    shared.connected.store(false, Ordering::SeqCst);
+}
+
+/// After a ConnAck: resubscribe, then republish everything unacknowledged. Runs on its own
+/// thread because both block on rumqttc's request queue, which only the event-loop thread
+/// drains.
+fn restore(client: Client, shared: Arc<Shared>) {
+    let spawned = std::thread::Builder::new().name("mqtt-restore".into()).spawn(move || {
+        let filters = lock(&shared.subscriptions).clone();
+        for f in filters {
+            if client.subscribe(f, QoS::AtLeastOnce).is_err() {
+                return;
+            }
+        }
+        let _order = lock(&shared.publishing);
+        let replay = lock(&shared.outbox).take_for_replay();
+        if !replay.is_empty() {
+            tracing::info!(publishes = replay.len(), "republishing unacknowledged messages after reconnect");
+        }
+        for p in replay {
+            lock(&shared.outbox).queued(&p.topic, &p.payload);
+            if client.publish(p.topic, QoS::AtLeastOnce, false, p.payload).is_err() {
+                return;
+            }
+        }
+    });
+    if let Err(e) = spawned {
+        tracing::error!(error = %e, "cannot restore MQTT subscriptions");
+    }
+}

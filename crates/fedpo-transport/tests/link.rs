@@ -1,0 +1,90 @@
+//! The link against the embedded broker: large chunks, QoS 1 delivery, last will.
+
+use std::io::{Read, Write};
+use std::time::{Duration, Instant};
+
+use fedpo_transport::{EmbeddedBroker, LinkEvent, LinkOptions, MqttLink};
+
+fn next_message(link: &MqttLink, within: Duration) -> Option<(String, Vec<u8>)> {
+    let deadline = Instant::now() + within;
+    while Instant::now() < deadline {
+        if let Some(LinkEvent::Message(d)) = link.recv_timeout(Duration::from_millis(100)).unwrap() {
+            return Some((d.topic, d.payload));
+        }
+    }
+    None
+}
+
+#[test]
+fn one_mib_chunks_arrive_whole_and_in_order_through_the_embedded_broker() {
+    let broker = EmbeddedBroker::start_on_free_port().unwrap();
+    let rx = MqttLink::connect(&broker.url(), &LinkOptions::new("rx")).unwrap();
+    rx.subscribe("fedpo/t/down").unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    let tx = MqttLink::connect(&broker.url(), &LinkOptions::new("tx")).unwrap();
+    let chunks: Vec<Vec<u8>> = (0..6u8).map(|i| vec![i; (1 << 20) + 100]).collect();
+    for c in &chunks {
+        tx.publish("fedpo/t/down", c.clone()).unwrap();
+    }
+    assert!(tx.flush(Duration::from_secs(20)), "the broker acknowledged every publish");
+    assert_eq!(tx.unacked(), 0);
+    for expected in &chunks {
+        let (topic, payload) = next_message(&rx, Duration::from_secs(20)).expect("chunk delivered");
+        assert_eq!(topic, "fedpo/t/down");
+        assert_eq!(&payload, expected);
+    }
+}
+
+#[test]
+fn last_will_is_published_when_a_client_vanishes_but_not_on_a_clean_close() {
+    let broker = EmbeddedBroker::start_on_free_port().unwrap();
+    let watcher = MqttLink::connect(&broker.url(), &LinkOptions::new("watcher")).unwrap();
+    watcher.subscribe("fedpo/t/up/+").unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+
+    let mut polite = LinkOptions::new("polite");
+    polite.last_will = Some(("fedpo/t/up/polite".into(), b"gone".to_vec()));
+    MqttLink::connect(&broker.url(), &polite).unwrap().close(Duration::from_secs(1));
+    assert_eq!(next_message(&watcher, Duration::from_secs(2)), None, "a clean close sends no will");
+
+    // A client that vanishes (a killed process) gets its will published. Speak raw MQTT
+    // so the socket can be dropped without a DISCONNECT.
+    let mut sock = std::net::TcpStream::connect(broker.addr()).unwrap();
+    sock.write_all(&connect_packet_with_will("rude", "fedpo/t/up/rude", b"offline")).unwrap();
+    let mut connack = [0u8; 4];
+    sock.read_exact(&mut connack).unwrap();
+    assert_eq!(connack, [0x20, 2, 0, 0], "connection accepted");
+    drop(sock);
+    let (topic, payload) = next_message(&watcher, Duration::from_secs(5)).expect("will published");
+    assert_eq!((topic.as_str(), payload.as_slice()), ("fedpo/t/up/rude", b"offline".as_slice()));
+}
+
+#[test]
+fn connecting_to_a_closed_port_fails_in_time_naming_the_broker() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let url = fedpo_transport::BrokerUrl::parse(&format!("mqtt://127.0.0.1:{port}")).unwrap();
+    let mut opts = LinkOptions::new("nobody");
+    opts.connect_wait = Duration::from_secs(1);
+    let err = MqttLink::connect(&url, &opts).err().expect("nothing listens there").to_string();
+    assert!(err.contains(&format!("127.0.0.1:{port}")) && err.contains("1 s"), "{err}");
+}
+
+/// An MQTT 3.1.1 CONNECT with a QoS 1 will and a clean session.
+fn connect_packet_with_will(client: &str, will_topic: &str, will: &[u8]) -> Vec<u8> {
+    fn string(out: &mut Vec<u8>, s: &[u8]) {
+        out.extend_from_slice(&(s.len() as u16).to_be_bytes());
+        out.extend_from_slice(s);
+    }
+    let mut body = Vec::new();
+    string(&mut body, b"MQTT");
+    body.push(4); // protocol level 3.1.1
+    body.push(0b0000_1110); // will QoS 1, will flag, clean session
+    body.extend_from_slice(&30u16.to_be_bytes());
+    string(&mut body, client.as_bytes());
+    string(&mut body, will_topic.as_bytes());
+    string(&mut body, will);
+    assert!(body.len() < 128);
+    let mut packet = vec![0x10, body.len() as u8];
+    packet.extend(body);
+    packet
+}
