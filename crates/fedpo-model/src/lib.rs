@@ -10,6 +10,7 @@
 pub mod checkpoint;
 mod config;
 mod error;
+mod exchange;
 mod gpt2;
 pub mod io;
 mod lora;
@@ -21,6 +22,7 @@ mod weights;
 
 pub use config::{Gpt2Config, GPT2_VOCAB_SIZE};
 pub use error::{ModelError, Result};
+pub use exchange::SharedTensor;
 pub use gpt2::Gpt2;
 pub use lora::{LoraConfig, LoraTargets, LORA_MODULES};
 pub use params::{Param, ParamKind, ParamRole, ParamStore, Partition, PartitionPreset};

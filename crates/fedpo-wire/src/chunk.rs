@@ -37,7 +37,7 @@ pub fn split_payload(transfer: &str, payload: &TensorPayload, chunk_bytes: usize
         tensors: payload
             .tensors
             .iter()
-            .map(|t| TensorInfo { name: t.name.clone(), dtype: t.dtype, shape: t.shape.clone() })
+            .map(|t| TensorInfo { name: t.name().to_string(), dtype: t.dtype(), shape: t.shape().to_vec() })
             .collect(),
     };
     (manifest, chunks)

@@ -16,7 +16,7 @@ pub use chunk::{sha256, split_payload, Progress, Reassembler};
 pub use error::{Result, WireError};
 pub use limits::{Limits, DEFAULT_CHUNK_BYTES};
 pub use message::{
-    DeviceHello, Hyperparameters, Manifest, Message, RoundPlan, RoundResult, TensorInfo, TransferChunk, Update,
-    UpdateMetrics, PROTOCOL_VERSION,
+    DeviceBye, DeviceHello, Hyperparameters, Manifest, Message, RoundPlan, RoundResult, TensorInfo, TransferChunk,
+    Update, UpdateMetrics, PROTOCOL_VERSION,
 };
-pub use tensor::{byte_len, TensorPayload, WireDType, WireTensor};
+pub use tensor::{byte_len, TensorPayload, ToWire, WireDType, WireTensor};

@@ -13,6 +13,8 @@ pub struct Limits {
     pub max_chunk_bytes: usize,
     /// Longest identifier (device id, transfer id, tensor name).
     pub max_name_len: usize,
+    /// Longest model description in a plan.
+    pub max_spec_bytes: usize,
 }
 
 /// Default chunk size: 1 MiB. A whole DistilGPT-2 base in f32 is 328 MB, beyond MQTT's
@@ -27,6 +29,7 @@ impl Default for Limits {
             max_transfer_bytes: 2 << 30,
             max_chunk_bytes: DEFAULT_CHUNK_BYTES,
             max_name_len: 256,
+            max_spec_bytes: 64 << 10,
         }
     }
 }

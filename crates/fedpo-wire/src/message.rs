@@ -28,6 +28,16 @@ pub struct DeviceHello {
     pub memory_mb: u64,
 }
 
+/// A device leaving: sent on a clean exit, and registered as the MQTT last will so the
+/// broker sends it when a device vanishes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DeviceBye {
+    /// Device id.
+    pub device: String,
+    /// Why, for the logs.
+    pub reason: String,
+}
+
 /// Local training settings a round asks for.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Hyperparameters {
@@ -81,6 +91,9 @@ pub struct RoundPlan {
     pub hyper: Hyperparameters,
     /// Strategy-specific named settings (e.g. `proximal_mu`).
     pub strategy: BTreeMap<String, f64>,
+    /// The policy's structure (fedpo-model's `PolicySpec` as JSON): layers, widths, the
+    /// adapter and which tensors are shared. The device builds its model from it.
+    pub model_spec: String,
     /// The global model that follows as chunks.
     pub global_model: Manifest,
 }
@@ -141,6 +154,8 @@ pub struct RoundResult {
     /// SHA-256 of the new global model payload.
     #[serde(with = "serde_bytes")]
     pub global_sha256: Vec<u8>,
+    /// The job is over; devices may exit.
+    pub finished: bool,
 }
 
 /// Every message kind.
@@ -157,6 +172,8 @@ pub enum Message {
     Chunk(TransferChunk),
     /// Round outcome.
     Result(RoundResult),
+    /// Device leaving.
+    Bye(DeviceBye),
 }
 
 #[derive(Serialize, Deserialize)]
@@ -260,6 +277,12 @@ impl Message {
                 check_finite("lr", p.hyper.lr)?;
                 check_finite("beta", p.hyper.beta)?;
                 p.strategy.values().try_for_each(|v| check_finite("strategy", *v))?;
+                if p.model_spec.len() > limits.max_spec_bytes {
+                    return Err(WireError::InvalidField {
+                        field: "model_spec",
+                        reason: format!("{} bytes exceed the limit of {}", p.model_spec.len(), limits.max_spec_bytes),
+                    });
+                }
                 p.global_model.validate(limits)
             }
             Self::Update(u) => {
@@ -277,6 +300,10 @@ impl Message {
                     return Err(WireError::BadChunk { index: c.index, count: c.count, expected_count: c.count });
                 }
                 Ok(())
+            }
+            Self::Bye(b) => {
+                check_name("device", &b.device, limits)?;
+                check_name("reason", &b.reason, limits)
             }
             Self::Result(r) => {
                 for d in &r.participants {

@@ -43,18 +43,30 @@ impl fmt::Display for WireDType {
     }
 }
 
-/// One named tensor on the wire.
+/// A tensor that may leave the device.
+///
+/// This is the only way values get onto the wire: [`TensorPayload::encode`] takes
+/// `ToWire` items, and [`WireTensor`] has no public constructor. fedpo-model implements
+/// it for its `SharedTensor`, which only the shared and frozen parameter sets produce; a
+/// private adapter tensor has no `ToWire` implementation, so sending one does not compile
+/// (fedpo-model's `exchange` module shows the compile error.)
+pub trait ToWire {
+    /// Checkpoint-style name.
+    fn wire_name(&self) -> &str;
+    /// Dimensions.
+    fn wire_shape(&self) -> Vec<u64>;
+    /// Row-major values.
+    fn wire_values(&self) -> &[f32];
+}
+
+/// One named tensor on the wire. Built only from [`ToWire`] values or by decoding.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct WireTensor {
-    /// Checkpoint-style name.
-    pub name: String,
-    /// Value encoding.
-    pub dtype: WireDType,
-    /// Dimensions.
-    pub shape: Vec<u64>,
-    /// Little-endian values.
+    name: String,
+    dtype: WireDType,
+    shape: Vec<u64>,
     #[serde(with = "serde_bytes")]
-    pub data: Vec<u8>,
+    data: Vec<u8>,
 }
 
 /// Bytes a shape of a dtype occupies, or `None` on overflow.
@@ -64,7 +76,7 @@ pub fn byte_len(shape: &[u64], dtype: WireDType) -> Option<u64> {
 
 impl WireTensor {
     /// Encodes `values` (row-major, `shape`) with `dtype`.
-    pub fn encode(name: impl Into<String>, shape: &[u64], values: &[f32], dtype: WireDType) -> Self {
+    pub(crate) fn encode(name: impl Into<String>, shape: &[u64], values: &[f32], dtype: WireDType) -> Self {
         let mut data = Vec::with_capacity(values.len() * dtype.size() as usize);
         match dtype {
             WireDType::F32 => values.iter().for_each(|v| data.extend_from_slice(&v.to_le_bytes())),
@@ -72,6 +84,31 @@ impl WireTensor {
             WireDType::F16 => values.iter().for_each(|v| data.extend_from_slice(&f16::from_f32(*v).to_le_bytes())),
         }
         Self { name: name.into(), dtype, shape: shape.to_vec(), data }
+    }
+
+    /// Encodes a tensor that may leave the device.
+    pub fn from_shared(t: &(impl ToWire + ?Sized), dtype: WireDType) -> Self {
+        Self::encode(t.wire_name(), &t.wire_shape(), t.wire_values(), dtype)
+    }
+
+    /// Checkpoint-style name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Value encoding.
+    pub fn dtype(&self) -> WireDType {
+        self.dtype
+    }
+
+    /// Dimensions.
+    pub fn shape(&self) -> &[u64] {
+        &self.shape
+    }
+
+    /// The encoded little-endian bytes.
+    pub fn data(&self) -> &[u8] {
+        &self.data
     }
 
     /// Checks that the bytes match the shape and dtype.
@@ -128,6 +165,11 @@ pub struct TensorPayload {
 }
 
 impl TensorPayload {
+    /// Encodes tensors that may leave the device, in the given order.
+    pub fn encode<'a, T: ToWire + 'a>(tensors: impl IntoIterator<Item = &'a T>, dtype: WireDType) -> Self {
+        Self { tensors: tensors.into_iter().map(|t| WireTensor::from_shared(t, dtype)).collect() }
+    }
+
     /// CBOR bytes of the payload.
     pub fn to_bytes(&self) -> Vec<u8> {
         serde_cbor::to_vec(self).unwrap_or_default()

@@ -58,6 +58,7 @@ fn arb_message() -> impl Strategy<Value = Message> {
                     selected,
                     hyper: Hyperparameters { method: "pfeddpo".into(), local_steps, lr, beta, batch_pairs },
                     strategy,
+                    model_spec: r#"{"config":{}}"#.into(),
                     global_model,
                 })
             }),
@@ -71,10 +72,17 @@ fn arb_message() -> impl Strategy<Value = Message> {
                 })
             }
         ),
-        (any::<u64>(), proptest::collection::vec(name(), 0..8), finite(), proptest::collection::vec(any::<u8>(), 32))
-            .prop_map(|(round, participants, train_loss, global_sha256)| {
-                Message::Result(RoundResult { round, participants, train_loss, global_sha256 })
+        (
+            any::<u64>(),
+            proptest::collection::vec(name(), 0..8),
+            finite(),
+            proptest::collection::vec(any::<u8>(), 32),
+            any::<bool>()
+        )
+            .prop_map(|(round, participants, train_loss, global_sha256, finished)| {
+                Message::Result(RoundResult { round, participants, train_loss, global_sha256, finished })
             }),
+        (name(), "[ -~]{0,80}").prop_map(|(device, reason)| Message::Bye(DeviceBye { device, reason })),
     ]
 }
 
@@ -134,10 +142,25 @@ fn plan_with_non_finite_learning_rate_is_refused() {
         selected: vec![],
         hyper: Hyperparameters { method: "pfeddpo".into(), local_steps: 1, lr: f64::NAN, beta: 0.2, batch_pairs: 4 },
         strategy: BTreeMap::new(),
+        model_spec: String::new(),
         global_model: manifest("r1/global", 4, 1),
     });
     let err = Message::decode(&msg.encode(), &Limits::default()).unwrap_err();
     assert!(err.to_string().contains("lr"), "{err}");
+}
+
+#[test]
+fn plan_with_an_oversized_model_spec_is_refused_naming_the_field() {
+    let msg = Message::Plan(RoundPlan {
+        round: 1,
+        selected: vec![],
+        hyper: Hyperparameters { method: "pfeddpo".into(), local_steps: 1, lr: 0.1, beta: 0.2, batch_pairs: 4 },
+        strategy: BTreeMap::new(),
+        model_spec: "x".repeat(100 << 10),
+        global_model: manifest("r1/global", 4, 1),
+    });
+    let err = Message::decode(&msg.encode(), &Limits::default()).unwrap_err().to_string();
+    assert!(err.contains("model_spec") && err.contains("65536"), "{err}");
 }
 
 #[test]

@@ -2,14 +2,27 @@
 
 use fedpo_wire::*;
 
+struct Named(&'static str, Vec<u64>, Vec<f32>);
+
+impl ToWire for Named {
+    fn wire_name(&self) -> &str {
+        self.0
+    }
+    fn wire_shape(&self) -> Vec<u64> {
+        self.1.clone()
+    }
+    fn wire_values(&self) -> &[f32] {
+        &self.2
+    }
+}
+
 fn payload(values: usize) -> TensorPayload {
     let v: Vec<f32> = (0..values).map(|i| (i as f32 * 0.001).cos()).collect();
-    TensorPayload {
-        tensors: vec![
-            WireTensor::encode("h.0.attn.c_attn.weight", &[values as u64 / 2, 2], &v, WireDType::F32),
-            WireTensor::encode("ln_f.bias", &[4], &[0.5, -0.5, 1.0, 2.0], WireDType::Bf16),
-        ],
-    }
+    let big = Named("h.0.attn.c_attn.weight", vec![values as u64 / 2, 2], v);
+    let small = Named("ln_f.bias", vec![4], vec![0.5, -0.5, 1.0, 2.0]);
+    let mut p = TensorPayload::encode([&big], WireDType::F32);
+    p.tensors.extend(TensorPayload::encode([&small], WireDType::Bf16).tensors);
+    p
 }
 
 #[test]
