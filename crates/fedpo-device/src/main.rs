@@ -4,10 +4,12 @@
 //! fedpo-device train-local --synthetic --model tiny --steps 200      # centralized DPO
 //! fedpo-device score --model DIR --adapter A.safetensors --data pairs.jsonl
 //! fedpo-device bench --tiny --pairs 4 --steps 8                       # DPO step time, peak RSS
+//! fedpo-device run --broker mqtt://agg:1883 --id pi-7 --data pairs.jsonl --state-dir /var/lib/fedpo
 //! ```
 
 mod allocator;
 mod bench;
+mod run;
 mod score;
 mod setup;
 mod train_local;
@@ -30,6 +32,9 @@ enum Command {
     TrainLocal(train_local::TrainLocalArgs),
     /// Summed response log-probs of every pair under a model (and adapter), as JSONL.
     Score(score::ScoreArgs),
+    /// Take part in a federated job: train each round that selects this device and upload
+    /// only the shared update; the private adapter stays in --state-dir.
+    Run(run::RunArgs),
     /// Time one DPO optimizer step and report peak memory, with the peer script's flags.
     Bench(bench::BenchArgs),
 }
@@ -37,12 +42,13 @@ enum Command {
 fn main() -> Result<()> {
     allocator::keep_freed_memory_in_heap();
     tracing_subscriber::fmt()
-        .with_env_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")))
+        .with_env_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,rumqttc=warn")))
         .with_writer(std::io::stderr)
         .init();
     match Cli::parse().command {
         Command::TrainLocal(args) => train_local::run(args),
         Command::Score(args) => score::run(args),
         Command::Bench(args) => bench::run(args),
+        Command::Run(args) => run::run(args),
     }
 }

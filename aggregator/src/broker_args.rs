@@ -1,0 +1,64 @@
+//! Where the aggregator finds its broker: a URL, or one it starts itself.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use anyhow::{bail, Result};
+use clap::Args;
+use fedpo_transport::{BrokerUrl, EmbeddedBroker, TlsFiles};
+
+/// Broker flags.
+#[derive(Debug, Args, Clone)]
+pub(crate) struct BrokerArgs {
+    /// An MQTT 3.1.1/5 broker: mqtt://[user[:password]@]host[:port] or mqtts://...
+    #[arg(long, conflicts_with = "embedded_broker")]
+    pub(crate) broker: Option<String>,
+    /// Start rumqttd in-process on this address (e.g. 127.0.0.1:1883).
+    #[arg(long)]
+    pub(crate) embedded_broker: Option<SocketAddr>,
+    /// CA certificate (PEM) for mqtts://.
+    #[arg(long)]
+    pub(crate) ca: Option<PathBuf>,
+    /// Client certificate (PEM) for mutual TLS.
+    #[arg(long)]
+    pub(crate) cert: Option<PathBuf>,
+    /// Client key (PEM) for mutual TLS.
+    #[arg(long)]
+    pub(crate) key: Option<PathBuf>,
+    /// MQTT user name (overrides the URL's).
+    #[arg(long)]
+    pub(crate) username: Option<String>,
+    /// MQTT password (overrides the URL's).
+    #[arg(long, env = "FEDPO_MQTT_PASSWORD", hide_env_values = true)]
+    pub(crate) password: Option<String>,
+}
+
+impl BrokerArgs {
+    /// The URL to connect to, starting the embedded broker when asked (or when
+    /// `embedded_by_default` and no URL was given).
+    pub(crate) fn resolve(&self, embedded_by_default: bool) -> Result<(BrokerUrl, Option<EmbeddedBroker>)> {
+        let (mut url, broker) = match (&self.broker, self.embedded_broker) {
+            (Some(u), _) => (BrokerUrl::parse(u)?, None),
+            (None, Some(addr)) => {
+                let b = EmbeddedBroker::start(addr)?;
+                (b.url(), Some(b))
+            }
+            (None, None) if embedded_by_default => {
+                let b = EmbeddedBroker::start_on_free_port()?;
+                (b.url(), Some(b))
+            }
+            (None, None) => bail!("give --broker URL or --embedded-broker ADDR"),
+        };
+        if let Some(u) = &self.username {
+            url.username = Some(u.clone());
+        }
+        if let Some(p) = &self.password {
+            url.password = Some(p.clone());
+        }
+        Ok((url, broker))
+    }
+
+    pub(crate) fn tls(&self) -> TlsFiles {
+        TlsFiles { ca: self.ca.clone(), cert: self.cert.clone(), key: self.key.clone() }
+    }
+}

@@ -1,0 +1,147 @@
+//! The global model as the aggregator holds it: plain f32 tensors with their roles.
+//!
+//! The aggregator never needs candle to average: it keeps the values in memory, changes
+//! only the shared tensors, and hands the whole model to the wire through
+//! [`fedpo_wire::ToWire`].
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+use candle_core::{Device, Tensor};
+use fedpo_model::io::{read_safetensors, write_safetensors};
+use fedpo_model::{ParamRole, Policy, PolicySpec};
+use fedpo_wire::{sha256, split_payload, Manifest, TensorPayload, ToWire, TransferChunk, WireDType};
+
+/// One tensor of the global model.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct GlobalTensor {
+    pub(crate) name: String,
+    pub(crate) shape: Vec<usize>,
+    pub(crate) values: Vec<f32>,
+    /// Shared tensors are averaged; frozen ones are only distributed.
+    pub(crate) shared: bool,
+}
+
+impl ToWire for GlobalTensor {
+    fn wire_name(&self) -> &str {
+        &self.name
+    }
+    fn wire_shape(&self) -> Vec<u64> {
+        self.shape.iter().map(|&d| d as u64).collect()
+    }
+    fn wire_values(&self) -> &[f32] {
+        &self.values
+    }
+}
+
+/// The model every round starts from.
+#[derive(Debug, Clone)]
+pub(crate) struct GlobalModel {
+    pub(crate) spec: PolicySpec,
+    pub(crate) tensors: Vec<GlobalTensor>,
+    index: HashMap<String, usize>,
+}
+
+impl GlobalModel {
+    /// The shared and frozen tensors of a freshly built policy.
+    pub(crate) fn from_policy(policy: &Policy) -> Result<Self> {
+        let tensors = policy
+            .global_tensors()?
+            .into_iter()
+            .map(|t| {
+                let shared = t.role() == ParamRole::Shared;
+                let (name, shape, values) = t.into_parts();
+                GlobalTensor { name, shape, values, shared }
+            })
+            .collect();
+        Ok(Self::new(policy.spec.clone(), tensors))
+    }
+
+    fn new(spec: PolicySpec, tensors: Vec<GlobalTensor>) -> Self {
+        let index = tensors.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect();
+        Self { spec, tensors, index }
+    }
+
+    pub(crate) fn get(&self, name: &str) -> Option<&GlobalTensor> {
+        self.index.get(name).map(|&i| &self.tensors[i])
+    }
+
+    pub(crate) fn get_mut(&mut self, name: &str) -> Option<&mut GlobalTensor> {
+        self.index.get(name).map(|&i| &mut self.tensors[i])
+    }
+
+    /// Tensors devices train and upload.
+    pub(crate) fn shared(&self) -> impl Iterator<Item = &GlobalTensor> {
+        self.tensors.iter().filter(|t| t.shared)
+    }
+
+    /// The wire payload (f32, so devices start from exactly these values).
+    pub(crate) fn payload(&self) -> TensorPayload {
+        TensorPayload::encode(&self.tensors, WireDType::F32)
+    }
+
+    /// The manifest and chunks of this model for `round`, and the payload's SHA-256.
+    pub(crate) fn transfer(&self, round: u64, chunk_bytes: usize) -> (Manifest, Vec<TransferChunk>) {
+        split_payload(&format!("r{round}/global"), &self.payload(), chunk_bytes)
+    }
+
+    /// SHA-256 (hex) of the wire payload: what devices verify.
+    pub(crate) fn sha256_hex(&self) -> String {
+        hex::encode(sha256(&self.payload().to_bytes()))
+    }
+
+    /// Saves as safetensors (atomic), shared tensors marked in the metadata.
+    pub(crate) fn save(&self, path: &Path) -> Result<()> {
+        let tensors = self
+            .tensors
+            .iter()
+            .map(|t| Ok((t.name.clone(), Tensor::from_slice(&t.values, t.shape.as_slice(), &Device::Cpu)?)))
+            .collect::<Result<Vec<_>>>()?;
+        let shared: Vec<&str> = self.shared().map(|t| t.name.as_str()).collect();
+        let metadata = HashMap::from([
+            ("format".to_string(), "fedpo-global/1".to_string()),
+            ("spec".to_string(), serde_json::to_string(&self.spec)?),
+            ("shared".to_string(), shared.join(",")),
+            // Payload order decides the SHA-256 devices verify; keep it across a resume.
+            ("order".to_string(), self.tensors.iter().map(|t| t.name.as_str()).collect::<Vec<_>>().join(",")),
+        ]);
+        write_safetensors(path, &tensors, metadata).with_context(|| format!("saving {}", path.display()))
+    }
+
+    /// Loads what [`GlobalModel::save`] wrote.
+    pub(crate) fn load(path: &Path) -> Result<Self> {
+        let file = read_safetensors(path, &Device::Cpu).with_context(|| format!("reading {}", path.display()))?;
+        let meta = &file.metadata;
+        if meta.get("format").map(String::as_str) != Some("fedpo-global/1") {
+            bail!("{} is not a fedpo global model (metadata format {:?})", path.display(), meta.get("format"));
+        }
+        let spec: PolicySpec = serde_json::from_str(meta.get("spec").map(String::as_str).unwrap_or_default())
+            .with_context(|| format!("{}: unreadable spec", path.display()))?;
+        let shared: Vec<&str> = meta.get("shared").map(|s| s.split(',').collect()).unwrap_or_default();
+        let names: Vec<&str> = meta.get("order").map(|s| s.split(',').collect()).unwrap_or_default();
+        if names.len() != file.tensors.tensors.len() {
+            bail!(
+                "{}: metadata lists {} tensors, the file holds {}",
+                path.display(),
+                names.len(),
+                file.tensors.tensors.len()
+            );
+        }
+        let mut tensors = Vec::with_capacity(names.len());
+        for name in names {
+            let t = file
+                .tensors
+                .tensors
+                .get(name)
+                .with_context(|| format!("{}: tensor `{name}` listed but missing", path.display()))?;
+            tensors.push(GlobalTensor {
+                name: name.to_string(),
+                shape: t.dims().to_vec(),
+                values: t.flatten_all()?.to_vec1()?,
+                shared: shared.contains(&name),
+            });
+        }
+        Ok(Self::new(spec, tensors))
+    }
+}

@@ -1,0 +1,121 @@
+//! The settings of a federated job, shared by `serve` and `simulate`.
+
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+use candle_core::Device;
+use clap::Args;
+use fedpo_model::checkpoint::load_hf_dir;
+use fedpo_model::{Gpt2Config, LoraConfig, LoraTargets, Partition, PartitionPreset, Policy, PolicySpec};
+
+use crate::global_model::GlobalModel;
+
+/// How rounds run.
+#[derive(Debug, Args, Clone)]
+pub(crate) struct JobArgs {
+    /// Job name: every topic lives under fedpo/{job}/.
+    #[arg(long, default_value = "demo")]
+    pub(crate) job: String,
+    /// pfeddpo (shared base, private adapters), feddpo (shared base, no adapter) or
+    /// shared-lora (frozen base, averaged adapters).
+    #[arg(long, default_value = "pfeddpo")]
+    pub(crate) method: PartitionPreset,
+    /// `tiny` or `distilgpt2` (GPT-2 initialised from --seed), or an HF directory.
+    #[arg(long, default_value = "tiny")]
+    pub(crate) model: String,
+    /// Keep the token and position embeddings frozen (and out of every update).
+    #[arg(long)]
+    pub(crate) freeze_embeddings: bool,
+    /// LoRA rank.
+    #[arg(long, default_value_t = 8)]
+    pub(crate) rank: usize,
+    /// LoRA alpha.
+    #[arg(long, default_value_t = 16.0)]
+    pub(crate) alpha: f64,
+    /// LoRA targets.
+    #[arg(long, default_value = "c_attn")]
+    pub(crate) targets: LoraTargets,
+    /// Training rounds.
+    #[arg(long, default_value_t = 20)]
+    pub(crate) rounds: u64,
+    /// Devices selected per round (S).
+    #[arg(long, default_value_t = 5)]
+    pub(crate) per_round: usize,
+    /// Local optimizer steps per round (E).
+    #[arg(long, default_value_t = 4)]
+    pub(crate) local_steps: u32,
+    /// Local SGD learning rate.
+    #[arg(long, default_value_t = 0.1)]
+    pub(crate) lr: f64,
+    /// DPO beta.
+    #[arg(long, default_value_t = 0.2)]
+    pub(crate) beta: f64,
+    /// Pairs per local step.
+    #[arg(long, default_value_t = 8)]
+    pub(crate) batch_pairs: u32,
+    /// Server learning rate applied to the averaged update.
+    #[arg(long, default_value_t = 1.0)]
+    pub(crate) server_lr: f64,
+    /// Seed of the model init and of device selection.
+    #[arg(long, default_value_t = 0)]
+    pub(crate) seed: u64,
+    /// Start once this many devices have said hello.
+    #[arg(long)]
+    pub(crate) min_devices: Option<usize>,
+    /// Give up waiting for --min-devices after this many seconds.
+    #[arg(long, default_value_t = 300)]
+    pub(crate) register_timeout: u64,
+    /// A round closes this many seconds after its plan, with whatever arrived.
+    #[arg(long, default_value_t = 600)]
+    pub(crate) round_deadline: u64,
+    /// Fewest updates a round needs to change the global model.
+    #[arg(long, default_value_t = 1)]
+    pub(crate) quorum: usize,
+    /// Skip the closing evaluation-only round in which every device reports its final
+    /// training and held-out accuracy.
+    #[arg(long)]
+    pub(crate) no_final_eval: bool,
+}
+
+impl JobArgs {
+    pub(crate) fn validate(&self) -> Result<()> {
+        if self.per_round == 0 {
+            bail!("--per-round must be at least 1");
+        }
+        if self.quorum == 0 {
+            bail!("--quorum must be at least 1");
+        }
+        if self.quorum > self.per_round {
+            bail!("--quorum {} can never be met with --per-round {}", self.quorum, self.per_round);
+        }
+        if !(self.lr.is_finite() && self.lr > 0.0) || !(self.server_lr.is_finite() && self.server_lr > 0.0) {
+            bail!("--lr and --server-lr must be positive");
+        }
+        if self.batch_pairs == 0 {
+            bail!("--batch-pairs must be at least 1");
+        }
+        Ok(())
+    }
+
+    /// The round-0 global model: a preset initialised from --seed, or an HF checkpoint.
+    pub(crate) fn initial_model(&self) -> Result<GlobalModel> {
+        let targets: Vec<&str> = self.targets.0.iter().map(String::as_str).collect();
+        let lora = LoraConfig::new(self.rank, self.alpha, &targets)?;
+        let partition = Partition { preset: self.method, freeze_embeddings: self.freeze_embeddings };
+        let (config, base) = match Gpt2Config::preset(&self.model) {
+            Some(c) => (c, None),
+            None => {
+                let ckpt = load_hf_dir(Path::new(&self.model), &Device::Cpu).with_context(|| {
+                    format!(
+                        "--model `{}` is neither a preset (tiny, distilgpt2) nor a loadable HF directory",
+                        self.model
+                    )
+                })?;
+                (ckpt.config, Some(ckpt.base))
+            }
+        };
+        let spec = PolicySpec { config, lora: Some(lora), partition };
+        let policy = Policy::build(spec, base.as_ref(), None, self.seed, candle_core::DType::F32, &Device::Cpu)?;
+        GlobalModel::from_policy(&policy)
+    }
+}

@@ -1,0 +1,95 @@
+//! What each round measured, as one JSON object per line in `metrics.jsonl`, and the
+//! job's `summary.json`.
+
+use std::collections::BTreeMap;
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use serde::{Deserialize, Serialize};
+
+/// One round's record.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub(crate) struct RoundRecord {
+    pub(crate) round: u64,
+    pub(crate) method: String,
+    /// True for the closing evaluation-only round.
+    pub(crate) evaluation: bool,
+    pub(crate) selected: Vec<String>,
+    /// Devices whose updates were aggregated.
+    pub(crate) participants: Vec<String>,
+    /// Pair-weighted mean of the participants' mean local DPO loss.
+    pub(crate) train_loss: f64,
+    /// Reward accuracy on each device's training pairs, at the round's start model.
+    pub(crate) reward_acc: BTreeMap<String, f64>,
+    /// Reward accuracy on each device's held-out pairs, at the round's start model.
+    pub(crate) heldout_acc: BTreeMap<String, f64>,
+    /// Norm of the pseudo-gradient, ‖mean update‖ / (lr · E): the global gradient norm
+    /// that local SGD followed this round.
+    pub(crate) grad_norm: f64,
+    /// Norm of the change applied to the global model.
+    pub(crate) update_norm: f64,
+    /// Pair-weighted mean of the devices' first-step gradient norms.
+    pub(crate) device_grad_norm: f64,
+    /// Update bytes received.
+    pub(crate) bytes_up: u64,
+    /// Global-model bytes published (once per publish; the broker fans them out).
+    pub(crate) bytes_down: u64,
+    pub(crate) seconds: f64,
+    /// Updates refused, with the reason.
+    pub(crate) rejected: BTreeMap<String, String>,
+}
+
+/// The job's outcome.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub(crate) struct Summary {
+    pub(crate) method: String,
+    pub(crate) rounds: u64,
+    pub(crate) devices: usize,
+    pub(crate) reward_acc_mean: f64,
+    pub(crate) heldout_acc_mean: f64,
+    pub(crate) reward_acc: BTreeMap<String, f64>,
+    pub(crate) heldout_acc: BTreeMap<String, f64>,
+    pub(crate) final_train_loss: f64,
+    pub(crate) bytes_up_total: u64,
+    pub(crate) bytes_down_total: u64,
+    pub(crate) seconds: f64,
+    pub(crate) global_sha256: String,
+}
+
+/// Appends records to `metrics.jsonl`, flushing each line (a crash loses nothing written).
+pub(crate) struct MetricsLog {
+    file: File,
+    path: PathBuf,
+}
+
+impl MetricsLog {
+    pub(crate) fn open(out: &Path) -> Result<Self> {
+        let path = out.join("metrics.jsonl");
+        let file = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .with_context(|| format!("opening {}", path.display()))?;
+        Ok(Self { file, path })
+    }
+
+    pub(crate) fn append(&mut self, record: &RoundRecord) -> Result<()> {
+        let mut line = serde_json::to_vec(record)?;
+        line.push(b'\n');
+        self.file
+            .write_all(&line)
+            .and_then(|_| self.file.sync_data())
+            .with_context(|| format!("writing {}", self.path.display()))
+    }
+}
+
+/// Mean of a map's values (0 when empty).
+pub(crate) fn mean(values: &BTreeMap<String, f64>) -> f64 {
+    if values.is_empty() {
+        0.0
+    } else {
+        values.values().sum::<f64>() / values.len() as f64
+    }
+}

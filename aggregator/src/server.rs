@@ -1,0 +1,482 @@
+//! `fedpo-aggregator serve`: registration, rounds, aggregation and checkpoints.
+//!
+//! Each round: select S devices (seeded), publish the plan and the global model, collect
+//! updates until every selected device has reported, every missing one has gone offline,
+//! or the deadline passes; fold each verified update into a streaming weighted sum,
+//! let the strategy apply it, checkpoint, log the metrics and announce the result.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Result};
+use fedpo_transport::{LinkEvent, MqttLink, Topics};
+use fedpo_wire::{
+    Hyperparameters, Limits, Message, Progress, Reassembler, RoundPlan, RoundResult, TensorPayload, TransferChunk,
+    Update, UpdateMetrics, DEFAULT_CHUNK_BYTES,
+};
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+
+use crate::accumulator::WeightedSum;
+use crate::checkpoint::{CheckpointDir, DeviceRecord, ServerState, STATE_FORMAT};
+use crate::global_model::GlobalModel;
+use crate::job::JobArgs;
+use crate::metrics::{mean, MetricsLog, RoundRecord, Summary};
+use crate::strategy::{FedAvg, Strategy};
+
+/// Resend the model to a device that asks again at most this often per round.
+const MAX_RESENDS: u32 = 3;
+
+pub(crate) struct Server {
+    link: MqttLink,
+    topics: Topics,
+    job: JobArgs,
+    out: PathBuf,
+    strategy: Box<dyn Strategy>,
+    global: GlobalModel,
+    state: ServerState,
+    checkpoints: CheckpointDir,
+    metrics: MetricsLog,
+    limits: Limits,
+    started: Instant,
+}
+
+/// A round being collected.
+struct OpenRound {
+    round: u64,
+    evaluation: bool,
+    selected: BTreeSet<String>,
+    plan: RoundPlan,
+    chunks: Vec<TransferChunk>,
+    published_at: Instant,
+    transfers: HashMap<String, (Update, Reassembler)>,
+    reported: BTreeMap<String, (u64, UpdateMetrics)>,
+    resends: HashMap<String, u32>,
+    sum: WeightedSum,
+    rejected: BTreeMap<String, String>,
+    bytes_up: u64,
+    bytes_down: u64,
+}
+
+impl Server {
+    /// Loads the checkpoint under `out` with `resume`, or starts from the initial model.
+    pub(crate) fn new(link: MqttLink, job: JobArgs, out: &Path, resume: bool) -> Result<Self> {
+        job.validate()?;
+        let topics = Topics::new(&job.job).map_err(anyhow::Error::msg)?;
+        std::fs::create_dir_all(out)?;
+        let checkpoints = CheckpointDir::new(out);
+        let mut strategy: Box<dyn Strategy> = Box::new(FedAvg::new(job.server_lr));
+        let (global, state) = if checkpoints.exists() {
+            if !resume {
+                bail!("{} holds a checkpoint; pass --resume to continue it, or choose another --out", out.display());
+            }
+            let (global, state) = checkpoints.load()?;
+            if state.job != job.job || state.method != job.method.name() {
+                bail!(
+                    "the checkpoint is job `{}` with method {}, not job `{}` with {}",
+                    state.job,
+                    state.method,
+                    job.job,
+                    job.method
+                );
+            }
+            strategy.restore(&state.strategy_state)?;
+            tracing::info!(round = state.round, sha256 = %state.global_sha256, "resuming from checkpoint");
+            (global, state)
+        } else {
+            if resume {
+                tracing::warn!(out = %out.display(), "--resume given but no checkpoint found; starting fresh");
+            }
+            let global = job.initial_model()?;
+            let state = ServerState {
+                format: STATE_FORMAT.into(),
+                job: job.job.clone(),
+                method: job.method.name().into(),
+                round: 0,
+                global_sha256: global.sha256_hex(),
+                devices: BTreeMap::new(),
+                strategy: strategy.name().into(),
+                strategy_state: strategy.state()?,
+                bytes_up: 0,
+                bytes_down: 0,
+            };
+            (global, state)
+        };
+        let metrics = MetricsLog::open(out)?;
+        link.subscribe(&topics.up_all())?;
+        Ok(Self {
+            link,
+            topics,
+            job,
+            out: out.to_path_buf(),
+            strategy,
+            global,
+            state,
+            checkpoints,
+            metrics,
+            limits: Limits::default(),
+            started: Instant::now(),
+        })
+    }
+
+    /// The current global model (for tests and the simulation's report).
+    pub(crate) fn global(&self) -> &GlobalModel {
+        &self.global
+    }
+
+    /// Runs the remaining rounds, the closing evaluation, and announces the end.
+    pub(crate) fn run(&mut self) -> Result<Summary> {
+        let mut summary = Summary { method: self.job.method.name().into(), ..Summary::default() };
+        while self.state.round < self.job.rounds {
+            self.wait_for_devices()?;
+            let record = self.run_round(self.state.round + 1, false)?;
+            summary.final_train_loss = record.train_loss;
+            summary.reward_acc = record.reward_acc.clone();
+            summary.heldout_acc = record.heldout_acc.clone();
+        }
+        if !self.job.no_final_eval {
+            self.wait_for_devices()?;
+            let record = self.run_round(self.job.rounds + 1, true)?;
+            summary.reward_acc = record.reward_acc;
+            summary.heldout_acc = record.heldout_acc;
+        }
+        let done = RoundResult {
+            round: self.state.round,
+            participants: vec![],
+            train_loss: summary.final_train_loss,
+            global_sha256: hex::decode(&self.state.global_sha256).unwrap_or_default(),
+            finished: true,
+        };
+        self.link.publish(&self.topics.down(), Message::Result(done).encode())?;
+        self.link.flush(Duration::from_secs(30));
+        summary.rounds = self.state.round;
+        summary.devices = self.state.devices.len();
+        summary.reward_acc_mean = mean(&summary.reward_acc);
+        summary.heldout_acc_mean = mean(&summary.heldout_acc);
+        summary.bytes_up_total = self.state.bytes_up;
+        summary.bytes_down_total = self.state.bytes_down;
+        summary.seconds = self.started.elapsed().as_secs_f64();
+        summary.global_sha256 = self.state.global_sha256.clone();
+        let path = self.out.join("summary.json");
+        fedpo_model::io::write_atomic(&path, &serde_json::to_vec_pretty(&summary)?)?;
+        Ok(summary)
+    }
+
+    fn online(&self) -> Vec<String> {
+        self.state.devices.iter().filter(|(_, d)| d.online).map(|(id, _)| id.clone()).collect()
+    }
+
+    /// Waits until --min-devices are online (or, with none given, the devices known from a
+    /// checkpoint or at least one), up to --register-timeout.
+    fn wait_for_devices(&mut self) -> Result<()> {
+        let want = self.job.min_devices.unwrap_or(1).max(1);
+        let deadline = Instant::now() + Duration::from_secs(self.job.register_timeout);
+        let mut last_report = Instant::now();
+        while self.online().len() < want {
+            if Instant::now() > deadline {
+                bail!(
+                    "only {} of the {want} devices needed registered within --register-timeout {} s",
+                    self.online().len(),
+                    self.job.register_timeout
+                );
+            }
+            if last_report.elapsed() > Duration::from_secs(10) {
+                tracing::info!(online = self.online().len(), want, "waiting for devices");
+                last_report = Instant::now();
+            }
+            self.poll(Duration::from_millis(200), None)?;
+        }
+        Ok(())
+    }
+
+    fn select(&self, round: u64, evaluation: bool) -> Vec<String> {
+        let mut online = self.online();
+        if evaluation || self.job.per_round >= online.len() {
+            return online;
+        }
+        let mut rng = StdRng::seed_from_u64(self.job.seed ^ round.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        online.shuffle(&mut rng);
+        online.truncate(self.job.per_round);
+        online.sort();
+        online
+    }
+
+    fn run_round(&mut self, round: u64, evaluation: bool) -> Result<RoundRecord> {
+        let span = tracing::info_span!("round", round);
+        let _enter = span.enter();
+        let started = Instant::now();
+        let selected = self.select(round, evaluation);
+        let (manifest, chunks) = self.global.transfer(round, DEFAULT_CHUNK_BYTES);
+        let plan = RoundPlan {
+            round,
+            selected: selected.clone(),
+            hyper: Hyperparameters {
+                method: self.job.method.name().into(),
+                local_steps: if evaluation { 0 } else { self.job.local_steps },
+                lr: self.job.lr,
+                beta: self.job.beta,
+                batch_pairs: self.job.batch_pairs,
+            },
+            strategy: self.strategy.configure_round(round),
+            model_spec: serde_json::to_string(&self.global.spec)?,
+            global_model: manifest,
+        };
+        let mut open = OpenRound {
+            round,
+            evaluation,
+            selected: selected.iter().cloned().collect(),
+            plan,
+            chunks,
+            published_at: Instant::now(),
+            transfers: HashMap::new(),
+            reported: BTreeMap::new(),
+            resends: HashMap::new(),
+            sum: WeightedSum::new(&self.global),
+            rejected: BTreeMap::new(),
+            bytes_up: 0,
+            bytes_down: 0,
+        };
+        tracing::info!(selected = ?selected, evaluation, "round starts");
+        self.publish_plan(&mut open)?;
+        let deadline = Instant::now() + Duration::from_secs(self.job.round_deadline);
+        loop {
+            let missing: Vec<&String> = open.selected.iter().filter(|d| !open.reported.contains_key(*d)).collect();
+            if missing.is_empty() {
+                break;
+            }
+            if missing.iter().all(|d| !self.state.devices.get(*d).is_some_and(|r| r.online)) {
+                tracing::warn!(missing = ?missing, "every missing device went offline; closing the round");
+                break;
+            }
+            if Instant::now() > deadline {
+                tracing::warn!(missing = ?missing, "round deadline passed");
+                break;
+            }
+            self.poll(Duration::from_millis(200), Some(&mut open))?;
+        }
+        self.close_round(open, started)
+    }
+
+    /// Publishes the plan and the model. A resent plan names only the devices still
+    /// missing, so those that already reported do not send their update again.
+    fn publish_plan(&mut self, open: &mut OpenRound) -> Result<()> {
+        let mut plan = open.plan.clone();
+        plan.selected.retain(|d| !open.reported.contains_key(d));
+        self.link.publish(&self.topics.down(), Message::Plan(plan).encode())?;
+        for c in &open.chunks {
+            open.bytes_down += c.bytes.len() as u64;
+            self.link.publish(&self.topics.down(), Message::Chunk(c.clone()).encode())?;
+        }
+        open.published_at = Instant::now();
+        Ok(())
+    }
+
+    fn close_round(&mut self, open: OpenRound, started: Instant) -> Result<RoundRecord> {
+        let participants: Vec<String> = open.reported.keys().cloned().collect();
+        let weight: f64 = open.reported.values().map(|(pairs, _)| *pairs as f64).sum::<f64>().max(1.0);
+        let weighted = |f: &dyn Fn(&UpdateMetrics) -> f64| {
+            open.reported.values().map(|(pairs, m)| *pairs as f64 * f(m)).sum::<f64>() / weight
+        };
+        let mut record = RoundRecord {
+            round: open.round,
+            method: self.job.method.name().into(),
+            evaluation: open.evaluation,
+            selected: open.selected.iter().cloned().collect(),
+            participants: participants.clone(),
+            train_loss: weighted(&|m| m.train_loss),
+            reward_acc: open.reported.iter().map(|(d, (_, m))| (d.clone(), m.reward_acc)).collect(),
+            heldout_acc: open.reported.iter().filter_map(|(d, (_, m))| Some((d.clone(), m.heldout_acc?))).collect(),
+            device_grad_norm: weighted(&|m| m.grad_norm),
+            bytes_up: open.bytes_up,
+            bytes_down: open.bytes_down,
+            rejected: open.rejected.clone(),
+            ..RoundRecord::default()
+        };
+        self.state.bytes_up += open.bytes_up;
+        self.state.bytes_down += open.bytes_down;
+        if !open.evaluation {
+            if open.sum.count() >= self.job.quorum {
+                record.update_norm = self.strategy.aggregate(open.round, &mut self.global, &open.sum)?;
+                let local = self.job.lr * f64::from(self.job.local_steps.max(1));
+                record.grad_norm = record.update_norm / self.job.server_lr / local;
+            } else {
+                tracing::warn!(
+                    updates = open.sum.count(),
+                    quorum = self.job.quorum,
+                    "quorum not met; the global model is unchanged"
+                );
+            }
+            self.state.round = open.round;
+            self.state.global_sha256 = self.global.sha256_hex();
+            self.state.strategy_state = self.strategy.state()?;
+            self.checkpoints.save(&self.global, &self.state)?;
+        }
+        record.seconds = started.elapsed().as_secs_f64();
+        self.metrics.append(&record)?;
+        print_round(&record, self.job.rounds);
+        let result = RoundResult {
+            round: open.round,
+            participants,
+            train_loss: record.train_loss,
+            global_sha256: hex::decode(&self.state.global_sha256).unwrap_or_default(),
+            finished: false,
+        };
+        self.link.publish(&self.topics.down(), Message::Result(result).encode())?;
+        Ok(record)
+    }
+
+    /// Handles link events for up to `wait`.
+    fn poll(&mut self, wait: Duration, mut open: Option<&mut OpenRound>) -> Result<()> {
+        let Some(event) = self.link.recv_timeout(wait)? else { return Ok(()) };
+        let delivery = match event {
+            LinkEvent::Message(d) => d,
+            LinkEvent::Connected => return Ok(()),
+            LinkEvent::Disconnected(reason) => {
+                tracing::warn!(%reason, "lost the broker; reconnecting");
+                return Ok(());
+            }
+        };
+        let Some(device) = self.topics.device_of(&delivery.topic).map(str::to_string) else { return Ok(()) };
+        let msg = match Message::decode(&delivery.payload, &self.limits) {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::warn!(%device, error = %e, "ignoring undecodable message");
+                return Ok(());
+            }
+        };
+        match msg {
+            Message::Hello(h) => {
+                if h.device != device {
+                    tracing::warn!(topic_device = %device, claimed = %h.device, "hello names another device; ignored");
+                    return Ok(());
+                }
+                let known = self.state.devices.get(&device).is_some_and(|d| d.online);
+                if !known {
+                    tracing::info!(%device, pairs = h.pairs, backend = %h.backend, "device registered");
+                }
+                self.state
+                    .devices
+                    .insert(device.clone(), DeviceRecord { pairs: h.pairs, backend: h.backend, online: true });
+                if let Some(open) = open.as_deref_mut() {
+                    let waiting = open.selected.contains(&device) && !open.reported.contains_key(&device);
+                    let resends = open.resends.entry(device.clone()).or_default();
+                    if waiting && open.published_at.elapsed() > Duration::from_secs(5) && *resends < MAX_RESENDS {
+                        *resends += 1;
+                        tracing::info!(%device, "device asked again; resending the plan and model");
+                        self.publish_plan(open)?;
+                    }
+                }
+            }
+            Message::Bye(b) => {
+                if let Some(d) = self.state.devices.get_mut(&device) {
+                    if d.online {
+                        tracing::warn!(%device, reason = %b.reason, "device offline");
+                    }
+                    d.online = false;
+                }
+            }
+            Message::Update(u) => {
+                if let Some(open) = open {
+                    self.start_update(open, &device, u);
+                } else {
+                    tracing::warn!(%device, round = u.round, "update outside a round; ignored");
+                }
+            }
+            Message::Chunk(c) => {
+                if let Some(open) = open {
+                    self.accept_chunk(open, &device, c);
+                }
+            }
+            Message::Plan(_) | Message::Result(_) => {
+                tracing::warn!(%device, "a device published an aggregator message; ignored");
+            }
+        }
+        Ok(())
+    }
+
+    fn start_update(&mut self, open: &mut OpenRound, device: &str, u: Update) {
+        let refuse = |why: String| tracing::warn!(%device, round = u.round, "update refused: {why}");
+        if u.device != device {
+            return refuse(format!("it names device `{}` but came on {device}'s topic", u.device));
+        }
+        if u.round != open.round {
+            return refuse(format!("it is for round {}, the open round is {}", u.round, open.round));
+        }
+        if !open.selected.contains(device) {
+            return refuse("the device was not selected this round".into());
+        }
+        if open.reported.contains_key(device) {
+            return; // a duplicate delivery or a resend of an update already counted
+        }
+        if u.update.transfer != format!("r{}/{device}", open.round) {
+            return refuse(format!("transfer id `{}` is not r{}/{device}", u.update.transfer, open.round));
+        }
+        match Reassembler::new(u.update.clone(), &self.limits) {
+            Ok(r) => {
+                open.transfers.insert(device.to_string(), (u, r));
+            }
+            Err(e) => {
+                open.rejected.insert(device.to_string(), e.to_string());
+                refuse(e.to_string());
+            }
+        }
+    }
+
+    fn accept_chunk(&mut self, open: &mut OpenRound, device: &str, chunk: TransferChunk) {
+        let Some((_, r)) = open.transfers.get_mut(device) else { return };
+        if chunk.transfer != r.manifest().transfer {
+            return;
+        }
+        let len = chunk.bytes.len() as u64;
+        match r.accept(chunk) {
+            Ok(Progress::Accepted { .. }) => open.bytes_up += len,
+            Ok(Progress::Duplicate) => {}
+            Ok(Progress::Complete(bytes)) => {
+                open.bytes_up += len;
+                let (update, _) = open.transfers.remove(device).expect("transfer present");
+                let verdict = TensorPayload::from_bytes(&bytes, &self.limits, true)
+                    .map_err(anyhow::Error::from)
+                    .and_then(|p| WeightedSum::check(&self.global, &p).map(|_| p))
+                    .and_then(|p| {
+                        if p.tensors.is_empty() && !open.evaluation {
+                            bail!("an empty update in a training round")
+                        }
+                        Ok(p)
+                    });
+                match verdict {
+                    Ok(payload) => {
+                        open.sum.add(&payload, update.pairs as f64);
+                        open.reported.insert(device.to_string(), (update.pairs, update.metrics));
+                        tracing::info!(%device, reported = open.reported.len(), of = open.selected.len(), "update accepted");
+                    }
+                    Err(e) => {
+                        tracing::warn!(%device, error = %e, "update refused");
+                        open.rejected.insert(device.to_string(), e.to_string());
+                    }
+                }
+            }
+            Err(e) => {
+                tracing::warn!(%device, error = %e, "update transfer failed");
+                open.rejected.insert(device.to_string(), e.to_string());
+            }
+        }
+    }
+}
+
+fn print_round(r: &RoundRecord, rounds: u64) {
+    let label = if r.evaluation { "final eval".to_string() } else { format!("round {:>3}/{rounds}", r.round) };
+    println!(
+        "{label}  devices {}/{}  loss {:.4}  train acc {:.3}  held-out acc {:.3}  |g| {:.4}  up {:.1} MB  down {:.1} MB  {:.1} s",
+        r.participants.len(),
+        r.selected.len(),
+        r.train_loss,
+        mean(&r.reward_acc),
+        mean(&r.heldout_acc),
+        r.grad_norm,
+        r.bytes_up as f64 / 1e6,
+        r.bytes_down as f64 / 1e6,
+        r.seconds
+    );
+}

@@ -1,0 +1,221 @@
+//! `fedpo-aggregator simulate`: a whole fleet on one machine, through real MQTT.
+//!
+//! An embedded broker (unless --broker names one), the aggregator, and N devices on
+//! synthetic personas. Each device is a real MQTT client with its own state directory:
+//! a thread of this process by default, or a child `fedpo-device run` with --processes.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use candle_core::Device;
+use clap::Args;
+use fedpo_data::synthetic::{generate_device, SyntheticSpec};
+use fedpo_device::participant::{self, ParticipantConfig};
+use fedpo_transport::{BrokerUrl, LinkOptions, MqttLink, TlsFiles};
+
+use crate::broker_args::BrokerArgs;
+use crate::job::JobArgs;
+use crate::metrics::Summary;
+use crate::server::Server;
+
+#[derive(Debug, Args)]
+pub(crate) struct SimulateArgs {
+    #[command(flatten)]
+    pub(crate) job: JobArgs,
+    #[command(flatten)]
+    pub(crate) broker: BrokerArgs,
+    /// Devices in the fleet (N).
+    #[arg(long, default_value_t = 5)]
+    pub(crate) devices: usize,
+    /// Output directory: metrics.jsonl, summary.json, checkpoint/, devices/.
+    #[arg(long)]
+    pub(crate) out: PathBuf,
+    /// Run each device as a child `fedpo-device run` process instead of a thread.
+    #[arg(long)]
+    pub(crate) processes: bool,
+    /// How much the personas' preferences conflict, 0 (all agree) to 1.
+    #[arg(long, default_value_t = 1.0)]
+    pub(crate) heterogeneity: f64,
+    /// Training pairs per device.
+    #[arg(long, default_value_t = 120)]
+    pub(crate) train_pairs: usize,
+    /// Held-out pairs per device.
+    #[arg(long, default_value_t = 40)]
+    pub(crate) heldout_pairs: usize,
+    /// Tokens per sequence after truncation.
+    #[arg(long, default_value_t = 128)]
+    pub(crate) max_len: usize,
+    /// Continue the checkpoint in --out.
+    #[arg(long)]
+    pub(crate) resume: bool,
+}
+
+enum Fleet {
+    Threads(Vec<JoinHandle<Result<participant::ParticipantSummary, participant::ParticipantError>>>, Arc<AtomicBool>),
+    Processes(Vec<Child>),
+}
+
+fn device_id(k: usize) -> String {
+    format!("dev-{k}")
+}
+
+/// The `fedpo-device` binary next to this one (or $FEDPO_DEVICE_BIN).
+pub(crate) fn device_binary() -> Result<PathBuf> {
+    if let Some(p) = std::env::var_os("FEDPO_DEVICE_BIN") {
+        return Ok(PathBuf::from(p));
+    }
+    let exe = std::env::current_exe()?;
+    let dir = exe.parent().context("no directory for the current executable")?;
+    for candidate in [dir.join("fedpo-device"), dir.join("../fedpo-device")] {
+        if candidate.exists() {
+            return Ok(candidate);
+        }
+    }
+    bail!(
+        "--processes needs the fedpo-device binary beside {} (build it with `cargo build -p fedpo-device`) or $FEDPO_DEVICE_BIN",
+        exe.display()
+    )
+}
+
+impl SimulateArgs {
+    fn spec(&self) -> SyntheticSpec {
+        SyntheticSpec {
+            heterogeneity: self.heterogeneity,
+            train_pairs: self.train_pairs,
+            heldout_pairs: self.heldout_pairs,
+            seed: self.job.seed,
+        }
+    }
+
+    fn spawn_fleet(&self, url: &BrokerUrl, tls: &TlsFiles) -> Result<Fleet> {
+        let devices_dir = self.out.join("devices");
+        std::fs::create_dir_all(&devices_dir)?;
+        if self.processes {
+            let bin = device_binary()?;
+            let mut children = Vec::with_capacity(self.devices);
+            for k in 0..self.devices {
+                let id = device_id(k);
+                let log = std::fs::File::create(devices_dir.join(format!("{id}.log")))?;
+                let mut cmd = Command::new(&bin);
+                cmd.args(["run", "--broker", &url.to_string(), "--job", &self.job.job, "--id", &id])
+                    .args(["--synthetic-persona", &k.to_string()])
+                    .args(["--heterogeneity", &self.heterogeneity.to_string()])
+                    .args(["--train-pairs", &self.train_pairs.to_string()])
+                    .args(["--heldout-pairs", &self.heldout_pairs.to_string()])
+                    .args(["--max-len", &self.max_len.to_string(), "--seed", &self.job.seed.to_string()])
+                    .arg("--state-dir")
+                    .arg(devices_dir.join(&id))
+                    .stdout(Stdio::null())
+                    .stderr(log);
+                if let Some(p) = &url.password {
+                    cmd.env("FEDPO_MQTT_PASSWORD", p);
+                }
+                children.push(cmd.spawn().with_context(|| format!("starting {}", bin.display()))?);
+            }
+            return Ok(Fleet::Processes(children));
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let spec = self.spec();
+        let mut handles = Vec::with_capacity(self.devices);
+        for k in 0..self.devices {
+            let data = generate_device(&spec, k)?;
+            let cfg = ParticipantConfig {
+                broker: url.clone(),
+                tls: tls.clone(),
+                job: self.job.job.clone(),
+                id: device_id(k),
+                state_dir: devices_dir.join(device_id(k)),
+                train: data.train,
+                heldout: data.heldout,
+                max_len: self.max_len,
+                compute: Device::Cpu,
+                stop: stop.clone(),
+            };
+            let handle = std::thread::Builder::new().name(device_id(k)).spawn(move || participant::run(cfg))?;
+            handles.push(handle);
+        }
+        Ok(Fleet::Threads(handles, stop))
+    }
+}
+
+pub(crate) fn run(args: SimulateArgs) -> Result<Summary> {
+    if args.devices == 0 {
+        bail!("--devices must be at least 1");
+    }
+    let mut job = args.job.clone();
+    job.min_devices = Some(job.min_devices.unwrap_or(args.devices));
+    job.per_round = job.per_round.min(args.devices);
+    job.quorum = job.quorum.min(job.per_round);
+    let (url, _broker) = args.broker.resolve(true)?;
+    let tls = args.broker.tls();
+    std::fs::create_dir_all(&args.out)?;
+    let mut opts = LinkOptions::new(format!("fedpo-{}-aggregator", job.job));
+    opts.tls = tls.clone();
+    let link = MqttLink::connect(&url, &opts)?;
+    let mut server = Server::new(link, job.clone(), &args.out, args.resume)?;
+    println!(
+        "simulating {} devices ({} per round) for {} rounds of {} on {} via {url}",
+        args.devices, job.per_round, job.rounds, job.method, job.model
+    );
+    let fleet = args.spawn_fleet(&url, &tls)?;
+    let result = server.run();
+    finish_fleet(fleet, Duration::from_secs(60));
+    let summary = result?;
+    print_table(&summary, &args.out);
+    Ok(summary)
+}
+
+fn finish_fleet(fleet: Fleet, grace: Duration) {
+    match fleet {
+        Fleet::Threads(handles, stop) => {
+            let deadline = Instant::now() + grace;
+            while handles.iter().any(|h| !h.is_finished()) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            stop.store(true, std::sync::atomic::Ordering::SeqCst);
+            for h in handles {
+                match h.join() {
+                    Ok(Ok(_)) => {}
+                    Ok(Err(e)) => tracing::warn!(error = %e, "a device stopped with an error"),
+                    Err(_) => tracing::warn!("a device thread panicked"),
+                }
+            }
+        }
+        Fleet::Processes(mut children) => {
+            let deadline = Instant::now() + grace;
+            for c in &mut children {
+                while Instant::now() < deadline && matches!(c.try_wait(), Ok(None)) {
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                if matches!(c.try_wait(), Ok(None)) {
+                    let _ = c.kill();
+                }
+                let _ = c.wait();
+            }
+        }
+    }
+}
+
+fn print_table(s: &Summary, out: &Path) {
+    println!();
+    println!("{:<10} {:>10} {:>13}", "device", "train acc", "held-out acc");
+    for (device, acc) in &s.reward_acc {
+        let held = s.heldout_acc.get(device).map_or("-".to_string(), |v| format!("{v:.3}"));
+        println!("{device:<10} {acc:>10.3} {held:>13}");
+    }
+    println!("{:<10} {:>10.3} {:>13.3}", "mean", s.reward_acc_mean, s.heldout_acc_mean);
+    println!(
+        "\n{} rounds of {} in {:.0} s; {:.1} MB up, {:.1} MB down; results in {}",
+        s.rounds,
+        s.method,
+        s.seconds,
+        s.bytes_up_total as f64 / 1e6,
+        s.bytes_down_total as f64 / 1e6,
+        out.display()
+    );
+}

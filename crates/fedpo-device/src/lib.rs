@@ -1,0 +1,9 @@
+//! The federated side of `fedpo-device`, as a library so that the aggregator's
+//! simulation can run real devices in-process.
+//!
+//! [`participant::run`] joins a job over MQTT and, in every round that selects it, trains
+//! the received global model with its private adapter and uploads only the shared delta.
+
+pub mod participant;
+mod round;
+mod state_dir;

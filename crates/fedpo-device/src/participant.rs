@@ -1,0 +1,319 @@
+//! A device taking part in a federated job.
+//!
+//! The device says hello, then waits. For each round plan that selects it, it collects
+//! the global model's chunks (verified by SHA-256), trains with its private adapter,
+//! saves the adapter, and uploads the shared delta as an update followed by chunks. It
+//! leaves when the aggregator announces the job finished, or when told to stop.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use candle_core::Device;
+use fedpo_data::{tokenize_pairs, PreferencePair, TokenizedPair};
+use fedpo_model::Gpt2Tokenizer;
+use fedpo_transport::{BrokerUrl, LinkEvent, LinkOptions, MqttLink, TlsFiles, Topics};
+use fedpo_wire::{
+    split_payload, DeviceBye, DeviceHello, Limits, Message, Progress as Chunks, Reassembler, RoundPlan, TensorPayload,
+    Update, WireDType, DEFAULT_CHUNK_BYTES,
+};
+use thiserror::Error;
+
+use crate::round::{train_round, RoundInputs};
+use crate::state_dir::{SentUpdate, StateDir};
+
+/// Why a participant stopped.
+#[derive(Debug, Error)]
+pub enum ParticipantError {
+    /// Settings that cannot work.
+    #[error("invalid participant settings: {0}")]
+    Config(String),
+    /// The state directory could not be read or written.
+    #[error("state directory: {0}")]
+    State(String),
+    /// The aggregator sent something this device cannot use.
+    #[error("protocol: {0}")]
+    Protocol(String),
+    /// MQTT failed.
+    #[error(transparent)]
+    Transport(#[from] fedpo_transport::TransportError),
+    /// Encoding or decoding failed.
+    #[error(transparent)]
+    Wire(#[from] fedpo_wire::WireError),
+    /// The model could not be built.
+    #[error(transparent)]
+    Model(#[from] fedpo_model::ModelError),
+    /// Training failed.
+    #[error(transparent)]
+    Train(#[from] fedpo_train::TrainError),
+    /// The data could not be prepared.
+    #[error(transparent)]
+    Data(#[from] fedpo_data::DataError),
+}
+
+/// Everything a participant needs.
+pub struct ParticipantConfig {
+    /// The broker.
+    pub broker: BrokerUrl,
+    /// TLS files for `mqtts://`.
+    pub tls: TlsFiles,
+    /// Job name (the topic prefix).
+    pub job: String,
+    /// Device id, unique in the job.
+    pub id: String,
+    /// Where the adapter, reference cache and progress live.
+    pub state_dir: PathBuf,
+    /// Training pairs.
+    pub train: Vec<PreferencePair>,
+    /// Held-out pairs, for the held-out reward accuracy.
+    pub heldout: Vec<PreferencePair>,
+    /// Tokens per sequence after truncation.
+    pub max_len: usize,
+    /// Where the model computes.
+    pub compute: Device,
+    /// Set to stop the participant between rounds.
+    pub stop: Arc<AtomicBool>,
+}
+
+/// What a participant did.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ParticipantSummary {
+    /// Rounds it trained (or evaluated) in this run.
+    pub rounds: Vec<u64>,
+    /// Bytes of updates it published.
+    pub bytes_up: u64,
+    /// Bytes of global models it received.
+    pub bytes_down: u64,
+}
+
+/// A seed from the device id, so every device's fresh adapter differs.
+fn device_seed(id: &str) -> u64 {
+    id.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+}
+
+struct Participant {
+    cfg: ParticipantConfig,
+    topics: Topics,
+    state: StateDir,
+    link: MqttLink,
+    train: Vec<TokenizedPair>,
+    heldout: Vec<TokenizedPair>,
+    pad_id: u32,
+    limits: Limits,
+    summary: ParticipantSummary,
+}
+
+/// Joins the job and takes part until the aggregator finishes it or `cfg.stop` is set.
+pub fn run(cfg: ParticipantConfig) -> Result<ParticipantSummary, ParticipantError> {
+    let topics = Topics::new(&cfg.job).map_err(ParticipantError::Config)?;
+    if topics.device_of(&topics.up(&cfg.id)) != Some(cfg.id.as_str()) || cfg.id.contains(['/', '+', '#']) {
+        return Err(ParticipantError::Config(format!("device id `{}` cannot be an MQTT topic level", cfg.id)));
+    }
+    if cfg.train.is_empty() {
+        return Err(ParticipantError::Config(format!("device `{}` has no training pairs", cfg.id)));
+    }
+    let tokenizer = Gpt2Tokenizer::gpt2()?;
+    let tok =
+        |pairs: &[PreferencePair]| tokenize_pairs(pairs, |s| tokenizer.encode(s), cfg.max_len, tokenizer.eos_id());
+    let (train, heldout) = (tok(&cfg.train)?, tok(&cfg.heldout)?);
+    let state = StateDir::open(&cfg.state_dir)?;
+    let mut opts = LinkOptions::new(format!("fedpo-{}-{}", cfg.job, cfg.id));
+    opts.tls = cfg.tls.clone();
+    let will = Message::Bye(DeviceBye { device: cfg.id.clone(), reason: "connection lost".into() });
+    opts.last_will = Some((topics.up(&cfg.id), will.encode()));
+    let link = MqttLink::connect(&cfg.broker, &opts)?;
+    link.subscribe(&topics.down())?;
+    let pad_id = tokenizer.eos_id();
+    let mut p = Participant {
+        cfg,
+        topics,
+        state,
+        link,
+        train,
+        heldout,
+        pad_id,
+        limits: Limits::default(),
+        summary: ParticipantSummary::default(),
+    };
+    let span = tracing::info_span!("device", id = %p.cfg.id);
+    let _enter = span.enter();
+    p.event_loop()?;
+    let bye = Message::Bye(DeviceBye { device: p.cfg.id.clone(), reason: "done".into() });
+    let _ = p.link.publish(&p.topics.up(&p.cfg.id), bye.encode());
+    let summary = p.summary.clone();
+    p.link.close(Duration::from_secs(10));
+    Ok(summary)
+}
+
+impl Participant {
+    fn send(&self, msg: &Message) -> Result<(), ParticipantError> {
+        Ok(self.link.publish(&self.topics.up(&self.cfg.id), msg.encode())?)
+    }
+
+    fn hello(&self) -> Result<(), ParticipantError> {
+        self.send(&Message::Hello(DeviceHello {
+            device: self.cfg.id.clone(),
+            pairs: self.train.len() as u64,
+            backend: format!("{:?}", self.cfg.compute).to_lowercase(),
+            memory_mb: 0,
+        }))
+    }
+
+    fn event_loop(&mut self) -> Result<(), ParticipantError> {
+        let mut pending: Option<(RoundPlan, Reassembler)> = None;
+        let mut heard_aggregator = false;
+        let mut last_hello = Instant::now();
+        self.hello()?;
+        loop {
+            if self.cfg.stop.load(Ordering::SeqCst) {
+                tracing::info!("stopping on request");
+                return Ok(());
+            }
+            let event = self.link.recv_timeout(Duration::from_millis(200))?;
+            // Until the aggregator answers, say hello now and then: it may start later.
+            if !heard_aggregator && last_hello.elapsed() > Duration::from_secs(2) {
+                self.hello()?;
+                last_hello = Instant::now();
+            }
+            let delivery = match event {
+                None => continue,
+                Some(LinkEvent::Connected) => {
+                    // After a reconnect, chunks may have been lost: ask again.
+                    self.hello()?;
+                    continue;
+                }
+                Some(LinkEvent::Disconnected(reason)) => {
+                    tracing::warn!(%reason, "lost the broker; reconnecting");
+                    continue;
+                }
+                Some(LinkEvent::Message(d)) => d,
+            };
+            let msg = match Message::decode(&delivery.payload, &self.limits) {
+                Ok(m) => m,
+                Err(e) => {
+                    tracing::warn!(topic = %delivery.topic, error = %e, "ignoring undecodable message");
+                    continue;
+                }
+            };
+            match msg {
+                Message::Plan(plan) => {
+                    heard_aggregator = true;
+                    if !plan.selected.iter().any(|d| d == &self.cfg.id) {
+                        continue;
+                    }
+                    let progress = self.state.progress()?;
+                    let sha = hex::encode(&plan.global_model.sha256);
+                    if plan.round < progress.last_round {
+                        continue;
+                    }
+                    if plan.round == progress.last_round {
+                        // The aggregator restarted mid-round: send the same update again.
+                        match self.state.last_update() {
+                            Some(sent) if sent.update.round == plan.round && sent.global_sha256 == sha => {
+                                tracing::info!(round = plan.round, "resending this round's update");
+                                self.publish_update(&sent)?;
+                            }
+                            _ => tracing::warn!(round = plan.round, "plan for a round already trained; ignoring"),
+                        }
+                        continue;
+                    }
+                    if pending
+                        .as_ref()
+                        .is_some_and(|(p, _)| p.round == plan.round && p.global_model == plan.global_model)
+                    {
+                        continue; // the same plan again, e.g. resent for another device
+                    }
+                    let reassembler = Reassembler::new(plan.global_model.clone(), &self.limits)?;
+                    tracing::info!(
+                        round = plan.round,
+                        bytes = plan.global_model.bytes,
+                        "selected; receiving the model"
+                    );
+                    pending = Some((plan, reassembler));
+                }
+                Message::Chunk(chunk) => {
+                    let Some((_, r)) = pending.as_mut() else { continue };
+                    if chunk.transfer != r.manifest().transfer {
+                        continue;
+                    }
+                    match r.accept(chunk) {
+                        Ok(Chunks::Complete(bytes)) => {
+                            let (plan, _) = pending.take().expect("pending plan");
+                            self.summary.bytes_down += bytes.len() as u64;
+                            self.round(&plan, &bytes)?;
+                        }
+                        Ok(_) => {}
+                        Err(e) => {
+                            tracing::warn!(error = %e, "global model transfer failed; asking again");
+                            self.hello()?;
+                        }
+                    }
+                }
+                Message::Result(result) => {
+                    heard_aggregator = true;
+                    if result.finished {
+                        tracing::info!(round = result.round, "job finished");
+                        return Ok(());
+                    }
+                }
+                Message::Hello(_) | Message::Update(_) | Message::Bye(_) => {}
+            }
+        }
+    }
+
+    fn round(&mut self, plan: &RoundPlan, bytes: &[u8]) -> Result<(), ParticipantError> {
+        let span = tracing::info_span!("round", round = plan.round);
+        let _enter = span.enter();
+        let global = TensorPayload::from_bytes(bytes, &self.limits, true)?;
+        let sha = hex::encode(&plan.global_model.sha256);
+        let mut progress = self.state.progress()?;
+        let outcome = train_round(
+            RoundInputs {
+                plan,
+                global: &global,
+                global_sha256: &sha,
+                train: &self.train,
+                heldout: &self.heldout,
+                pad_id: self.pad_id,
+                seed: device_seed(&self.cfg.id),
+                compute: &self.cfg.compute,
+            },
+            &self.state,
+            &mut progress,
+        )?;
+        let payload = TensorPayload::encode(&outcome.delta, WireDType::F32);
+        let transfer = format!("r{}/{}", plan.round, self.cfg.id);
+        let (manifest, chunks) = split_payload(&transfer, &payload, DEFAULT_CHUNK_BYTES);
+        let update = Update {
+            round: plan.round,
+            device: self.cfg.id.clone(),
+            pairs: self.train.len() as u64,
+            metrics: outcome.metrics.clone(),
+            update: manifest,
+        };
+        let sent = SentUpdate { global_sha256: sha, update, chunks };
+        self.state.save_last_update(&sent)?;
+        progress.last_round = plan.round;
+        self.state.save_progress(&progress)?;
+        self.publish_update(&sent)?;
+        self.summary.rounds.push(plan.round);
+        tracing::info!(
+            loss = format_args!("{:.4}", outcome.metrics.train_loss),
+            train_acc = format_args!("{:.3}", outcome.metrics.reward_acc),
+            heldout_acc = ?outcome.metrics.heldout_acc,
+            seconds = format_args!("{:.1}", outcome.metrics.seconds),
+            "round trained; update sent"
+        );
+        Ok(())
+    }
+
+    fn publish_update(&mut self, sent: &SentUpdate) -> Result<(), ParticipantError> {
+        self.send(&Message::Update(sent.update.clone()))?;
+        for c in &sent.chunks {
+            self.summary.bytes_up += c.bytes.len() as u64;
+            self.send(&Message::Chunk(c.clone()))?;
+        }
+        Ok(())
+    }
+}

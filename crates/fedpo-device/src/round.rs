@@ -1,0 +1,131 @@
+//! One local round: build the policy from the received global model and the private
+//! adapter, evaluate it, train E steps and compute the shared delta.
+
+use std::time::Instant;
+
+use candle_core::{DType, Device};
+use fedpo_data::{fingerprint, TokenizedPair};
+use fedpo_model::checkpoint::{load_adapter, save_adapter};
+use fedpo_model::{ParamRole, Policy, PolicySpec, SharedTensor, TensorSource};
+use fedpo_train::{
+    evaluate, load_or_score_pairs, score_pairs, DpoSettings, LocalTrainer, LossKind, OptimConfig, OptimKind,
+    PreferenceSet,
+};
+use fedpo_wire::{RoundPlan, TensorPayload, UpdateMetrics};
+
+use crate::participant::ParticipantError;
+use crate::state_dir::{Progress, StateDir};
+
+/// What a round produced.
+pub(crate) struct RoundOutcome {
+    pub(crate) metrics: UpdateMetrics,
+    /// The shared delta; empty in an evaluation-only round.
+    pub(crate) delta: Vec<SharedTensor>,
+}
+
+pub(crate) struct RoundInputs<'a> {
+    pub(crate) plan: &'a RoundPlan,
+    pub(crate) global: &'a TensorPayload,
+    pub(crate) global_sha256: &'a str,
+    pub(crate) train: &'a [TokenizedPair],
+    pub(crate) heldout: &'a [TokenizedPair],
+    pub(crate) pad_id: u32,
+    pub(crate) seed: u64,
+    pub(crate) compute: &'a Device,
+}
+
+/// Trains one round. Saves the private adapter before returning, so an update is never
+/// uploaded for an adapter that a crash could lose.
+pub(crate) fn train_round(
+    input: RoundInputs<'_>,
+    state: &StateDir,
+    progress: &mut Progress,
+) -> Result<RoundOutcome, ParticipantError> {
+    let started = Instant::now();
+    let plan = input.plan;
+    let spec: PolicySpec = serde_json::from_str(&plan.model_spec)
+        .map_err(|e| ParticipantError::Protocol(format!("round {}: unreadable model spec: {e}", plan.round)))?;
+    let global = TensorSource::from_wire(
+        &input.global.tensors,
+        &format!("the global model of round {}", plan.round),
+        input.compute,
+    )?;
+    let private_adapter = spec.partition.uses_adapter() && spec.partition.adapter_role() == ParamRole::Private;
+    let saved = if private_adapter && state.adapter_path().exists() {
+        Some(load_adapter(&state.adapter_path(), input.compute)?)
+    } else {
+        None
+    };
+    let adapter_source = match (&saved, private_adapter) {
+        (Some(a), _) => Some(&a.tensors),
+        (None, true) => None, // a fresh adapter, seeded by the device id
+        (None, false) => Some(&global),
+    };
+    let policy = Policy::build(spec, Some(&global), adapter_source, input.seed, DType::F32, input.compute)?;
+
+    let settings = DpoSettings {
+        beta: plan.hyper.beta,
+        loss: LossKind::Sigmoid { label_smoothing: 0.0 },
+        batch_pairs: plan.hyper.batch_pairs.max(1) as usize,
+        micro_batch_pairs: plan.hyper.batch_pairs.max(1) as usize,
+        pad_id: input.pad_id,
+    };
+    // The reference is the first global model this device trained from (with a fresh,
+    // zero-effect adapter): fixed for the device's whole life, cached in the state dir.
+    let reference_model = progress.reference_model.clone().unwrap_or_else(|| input.global_sha256.to_string());
+    let score = |pairs: &[TokenizedPair], file: &str| {
+        load_or_score_pairs(&state.path(file), &reference_model, &fingerprint(pairs), || {
+            score_pairs(&policy, pairs, settings.batch_pairs, settings.pad_id)
+        })
+        .map(|(logps, _)| logps)
+    };
+    let train = PreferenceSet { pairs: input.train.to_vec(), reference: score(input.train, "ref_train.json")? };
+    let heldout = if input.heldout.is_empty() {
+        None
+    } else {
+        Some(PreferenceSet { pairs: input.heldout.to_vec(), reference: score(input.heldout, "ref_heldout.json")? })
+    };
+    if progress.reference_model.is_none() {
+        progress.reference_model = Some(reference_model);
+        state.save_progress(progress)?;
+    }
+
+    // Accuracy of the model the device holds at the start of the round: the new global
+    // base with its own adapter. This is what a user of the device would get.
+    let train_eval = evaluate(&policy, &train, &settings)?;
+    let heldout_acc = match &heldout {
+        Some(h) => Some(evaluate(&policy, h, &settings)?.reward_acc),
+        None => None,
+    };
+
+    let steps = plan.hyper.local_steps;
+    let mut trainer = LocalTrainer::new(
+        settings,
+        OptimConfig::new(OptimKind::Sgd, plan.hyper.lr),
+        input.seed ^ plan.round.wrapping_mul(0x9e37_79b9_7f4a_7c15),
+    )?;
+    let (mut loss_sum, mut grad_norm) = (0.0, 0.0);
+    for step in 0..steps {
+        let m = trainer.step(&policy, &train)?;
+        loss_sum += m.loss;
+        if step == 0 {
+            grad_norm = m.grad_norm; // at the received model, before any local update
+        }
+        tracing::debug!(round = plan.round, step = m.step, loss = m.loss, acc = m.reward_acc, "local step");
+    }
+    let train_loss = if steps == 0 { train_eval.loss } else { loss_sum / f64::from(steps) };
+    if private_adapter && steps > 0 {
+        save_adapter(&policy, &state.adapter_path())?;
+    }
+    let delta = if steps == 0 { Vec::new() } else { policy.shared_delta(&global)? };
+    Ok(RoundOutcome {
+        metrics: UpdateMetrics {
+            train_loss,
+            reward_acc: train_eval.reward_acc,
+            heldout_acc,
+            grad_norm,
+            seconds: started.elapsed().as_secs_f64(),
+        },
+        delta,
+    })
+}

@@ -1,0 +1,125 @@
+//! `fedpo-device run`: take part in a federated job.
+
+use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+use anyhow::{bail, Result};
+use clap::Args;
+use fedpo_data::partition::train_heldout_split;
+use fedpo_data::synthetic::{generate_device, SyntheticSpec};
+use fedpo_data::{load_jsonl, DataFormat};
+use fedpo_device::participant::{self, ParticipantConfig};
+use fedpo_transport::{BrokerUrl, TlsFiles};
+
+use crate::setup::parse_device;
+
+#[derive(Debug, Args)]
+pub(crate) struct RunArgs {
+    /// The broker: mqtt://[user[:password]@]host[:port] or mqtts://...
+    #[arg(long)]
+    broker: String,
+    /// Job name (topics live under fedpo/{job}/).
+    #[arg(long, default_value = "demo")]
+    job: String,
+    /// This device's id, unique in the job.
+    #[arg(long)]
+    id: String,
+    /// Where the private adapter, reference cache and progress are kept.
+    #[arg(long)]
+    state_dir: PathBuf,
+    /// JSONL preference pairs (TRL, HH-RLHF or SHP layout, detected per line).
+    #[arg(long, conflicts_with = "synthetic_persona")]
+    data: Option<PathBuf>,
+    /// Force the layout of --data: trl, hh-rlhf or shp.
+    #[arg(long)]
+    format: Option<DataFormat>,
+    /// Skip unparsable lines of --data instead of stopping.
+    #[arg(long)]
+    skip_bad: bool,
+    /// Share of --data held out for the held-out accuracy.
+    #[arg(long, default_value_t = 0.2)]
+    heldout_fraction: f64,
+    /// Use synthetic persona K instead of a file.
+    #[arg(long)]
+    synthetic_persona: Option<usize>,
+    /// Synthetic heterogeneity in [0, 1]; every device of a job must use the same value.
+    #[arg(long, default_value_t = 1.0)]
+    heterogeneity: f64,
+    /// Synthetic training pairs.
+    #[arg(long, default_value_t = 120)]
+    train_pairs: usize,
+    /// Synthetic held-out pairs.
+    #[arg(long, default_value_t = 40)]
+    heldout_pairs: usize,
+    /// Seed of the synthetic data (the job's seed) and of the held-out split.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Tokens per sequence after truncation.
+    #[arg(long, default_value_t = 128)]
+    max_len: usize,
+    /// Compute device: cpu, cuda[:N] or metal.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// CA certificate (PEM) for mqtts://.
+    #[arg(long)]
+    ca: Option<PathBuf>,
+    /// Client certificate (PEM) for mutual TLS.
+    #[arg(long)]
+    cert: Option<PathBuf>,
+    /// Client key (PEM) for mutual TLS.
+    #[arg(long)]
+    key: Option<PathBuf>,
+    /// MQTT user name (overrides the URL's).
+    #[arg(long)]
+    username: Option<String>,
+    /// MQTT password (overrides the URL's).
+    #[arg(long, env = "FEDPO_MQTT_PASSWORD", hide_env_values = true)]
+    password: Option<String>,
+}
+
+pub(crate) fn run(args: RunArgs) -> Result<()> {
+    let mut broker = BrokerUrl::parse(&args.broker)?;
+    if let Some(u) = &args.username {
+        broker.username = Some(u.clone());
+    }
+    if let Some(p) = &args.password {
+        broker.password = Some(p.clone());
+    }
+    let (train, heldout) = match (&args.data, args.synthetic_persona) {
+        (Some(path), _) => {
+            let loaded = load_jsonl(path, args.format, args.skip_bad)?;
+            if loaded.skipped > 0 {
+                tracing::warn!(file = %path.display(), skipped = loaded.skipped, "skipped bad lines");
+            }
+            train_heldout_split(loaded.pairs, args.heldout_fraction, args.seed)?
+        }
+        (None, Some(k)) => {
+            let spec = SyntheticSpec {
+                heterogeneity: args.heterogeneity,
+                train_pairs: args.train_pairs,
+                heldout_pairs: args.heldout_pairs,
+                seed: args.seed,
+            };
+            let d = generate_device(&spec, k)?;
+            (d.train, d.heldout)
+        }
+        (None, None) => bail!("give --data FILE or --synthetic-persona K"),
+    };
+    let stop = Arc::new(AtomicBool::new(false));
+    let cfg = ParticipantConfig {
+        broker,
+        tls: TlsFiles { ca: args.ca, cert: args.cert, key: args.key },
+        job: args.job,
+        id: args.id,
+        state_dir: args.state_dir,
+        train,
+        heldout,
+        max_len: args.max_len,
+        compute: parse_device(&args.device)?,
+        stop,
+    };
+    let summary = participant::run(cfg)?;
+    tracing::info!(rounds = ?summary.rounds, bytes_up = summary.bytes_up, bytes_down = summary.bytes_down, "left the job");
+    Ok(())
+}
