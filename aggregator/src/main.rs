@@ -1,78 +1,20 @@
-//! `fedpo-aggregator`: coordinates federated DPO rounds over MQTT.
-//!
-//! ```text
-//! fedpo-aggregator simulate --devices 5 --rounds 20 --method pfeddpo --out runs/demo
-//! fedpo-aggregator serve --broker mqtt://broker:1883 --job lab --min-devices 10 --out runs/lab
-//! ```
+//! `fedpo-aggregator`: see the library's [`fedpo_aggregator::run_cli`].
 
-mod accumulator;
-mod broker_args;
-mod checkpoint;
-mod global_model;
-mod job;
-mod metrics;
-mod server;
-mod simulate;
-mod strategy;
-
-use std::path::PathBuf;
-
-use anyhow::Result;
-use clap::{Args, Parser, Subcommand};
-use fedpo_transport::{LinkOptions, MqttLink};
 use tracing_subscriber::EnvFilter;
 
-#[derive(Parser)]
-#[command(name = "fedpo-aggregator", version, about = "fedpo aggregator: federated DPO rounds over MQTT")]
-struct Cli {
-    #[command(subcommand)]
-    command: Command,
-}
-
-#[derive(Subcommand)]
-enum Command {
-    /// Coordinate devices through a broker: wait for registrations, run the rounds,
-    /// checkpoint after each.
-    Serve(ServeArgs),
-    /// Simulate a fleet on this machine: embedded broker, aggregator and N devices.
-    Simulate(simulate::SimulateArgs),
-}
-
-#[derive(Debug, Args)]
-struct ServeArgs {
-    #[command(flatten)]
-    job: job::JobArgs,
-    #[command(flatten)]
-    broker: broker_args::BrokerArgs,
-    /// Output directory: metrics.jsonl, summary.json and checkpoint/.
-    #[arg(long)]
-    out: PathBuf,
-    /// Continue from the checkpoint in --out.
-    #[arg(long)]
-    resume: bool,
-}
-
-fn serve(args: ServeArgs) -> Result<()> {
-    let (url, _broker) = args.broker.resolve(false)?;
-    let mut opts = LinkOptions::new(format!("fedpo-{}-aggregator", args.job.job));
-    opts.tls = args.broker.tls();
-    let link = MqttLink::connect(&url, &opts)?;
-    tracing::info!(broker = %url, job = %args.job.job, "aggregator connected");
-    let mut server = server::Server::new(link, args.job, &args.out, args.resume)?;
-    let summary = server.run()?;
-    tracing::info!(sha256 = %server.global().sha256_hex(), rounds = summary.rounds, "job finished");
-    Ok(())
-}
-
-fn main() -> Result<()> {
+fn main() {
     tracing_subscriber::fmt()
         .with_env_filter(
             EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,rumqttd=off,rumqttc=warn")),
         )
         .with_writer(std::io::stderr)
         .init();
-    match Cli::parse().command {
-        Command::Serve(args) => serve(args),
-        Command::Simulate(args) => simulate::run(args).map(|_| ()),
+    if let Err(e) = fedpo_aggregator::run_cli(std::env::args_os()) {
+        // clap's own errors (and --help) print themselves in their usual form.
+        if let Some(clap_err) = e.downcast_ref::<clap::Error>() {
+            clap_err.exit();
+        }
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
     }
 }

@@ -21,7 +21,8 @@ pub(crate) struct RoundRecord {
     pub(crate) participants: Vec<String>,
     /// Pair-weighted mean of the participants' mean local DPO loss.
     pub(crate) train_loss: f64,
-    /// Reward accuracy on each device's training pairs, at the round's start model.
+    /// Reward accuracy on each device's training pairs: over the batches of its local
+    /// steps in a training round, over all of them in the evaluation round.
     pub(crate) reward_acc: BTreeMap<String, f64>,
     /// Reward accuracy on each device's held-out pairs, at the round's start model.
     pub(crate) heldout_acc: BTreeMap<String, f64>,

@@ -60,6 +60,14 @@ struct OpenRound {
     bytes_down: u64,
 }
 
+/// Refuses to overwrite a job's checkpoint unless resuming it.
+pub(crate) fn check_out_dir(out: &Path, resume: bool) -> Result<()> {
+    if CheckpointDir::new(out).exists() && !resume {
+        bail!("{} holds a checkpoint; pass --resume to continue it, or choose another --out", out.display());
+    }
+    Ok(())
+}
+
 impl Server {
     /// Loads the checkpoint under `out` with `resume`, or starts from the initial model.
     pub(crate) fn new(link: MqttLink, job: JobArgs, out: &Path, resume: bool) -> Result<Self> {
@@ -68,10 +76,8 @@ impl Server {
         std::fs::create_dir_all(out)?;
         let checkpoints = CheckpointDir::new(out);
         let mut strategy: Box<dyn Strategy> = Box::new(FedAvg::new(job.server_lr));
+        check_out_dir(out, resume)?;
         let (global, state) = if checkpoints.exists() {
-            if !resume {
-                bail!("{} holds a checkpoint; pass --resume to continue it, or choose another --out", out.display());
-            }
             let (global, state) = checkpoints.load()?;
             if state.job != job.job || state.method != job.method.name() {
                 bail!(

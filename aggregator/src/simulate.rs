@@ -151,6 +151,8 @@ pub(crate) fn run(args: SimulateArgs) -> Result<Summary> {
     job.min_devices = Some(job.min_devices.unwrap_or(args.devices));
     job.per_round = job.per_round.min(args.devices);
     job.quorum = job.quorum.min(job.per_round);
+    job.validate()?;
+    crate::server::check_out_dir(&args.out, args.resume)?;
     let (url, _broker) = args.broker.resolve(true)?;
     let tls = args.broker.tls();
     std::fs::create_dir_all(&args.out)?;

@@ -90,9 +90,8 @@ pub(crate) fn train_round(
         state.save_progress(progress)?;
     }
 
-    // Accuracy of the model the device holds at the start of the round: the new global
-    // base with its own adapter. This is what a user of the device would get.
-    let train_eval = evaluate(&policy, &train, &settings)?;
+    // Held-out accuracy of the model the device holds at the start of the round: the new
+    // global base with its own adapter, which is what a user of the device would get.
     let heldout_acc = match &heldout {
         Some(h) => Some(evaluate(&policy, h, &settings)?.reward_acc),
         None => None,
@@ -104,16 +103,25 @@ pub(crate) fn train_round(
         OptimConfig::new(OptimKind::Sgd, plan.hyper.lr),
         input.seed ^ plan.round.wrapping_mul(0x9e37_79b9_7f4a_7c15),
     )?;
-    let (mut loss_sum, mut grad_norm) = (0.0, 0.0);
+    let (mut loss_sum, mut acc_sum, mut grad_norm) = (0.0, 0.0, 0.0);
     for step in 0..steps {
         let m = trainer.step(&policy, &train)?;
         loss_sum += m.loss;
+        acc_sum += m.reward_acc;
         if step == 0 {
             grad_norm = m.grad_norm; // at the received model, before any local update
         }
         tracing::debug!(round = plan.round, step = m.step, loss = m.loss, acc = m.reward_acc, "local step");
     }
-    let train_loss = if steps == 0 { train_eval.loss } else { loss_sum / f64::from(steps) };
+    // Training accuracy: in a training round, over the batches the local steps saw (as
+    // TRL reports it; a full pass would cost more than the training); in an
+    // evaluation-only round, over every training pair.
+    let (train_loss, reward_acc) = if steps == 0 {
+        let e = evaluate(&policy, &train, &settings)?;
+        (e.loss, e.reward_acc)
+    } else {
+        (loss_sum / f64::from(steps), acc_sum / f64::from(steps))
+    };
     if private_adapter && steps > 0 {
         save_adapter(&policy, &state.adapter_path())?;
     }
@@ -121,7 +129,7 @@ pub(crate) fn train_round(
     Ok(RoundOutcome {
         metrics: UpdateMetrics {
             train_loss,
-            reward_acc: train_eval.reward_acc,
+            reward_acc,
             heldout_acc,
             grad_norm,
             seconds: started.elapsed().as_secs_f64(),

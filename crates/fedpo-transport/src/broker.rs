@@ -44,9 +44,18 @@ fn config(addr: SocketAddr) -> Config {
     }
 }
 
+/// A port the OS says is free on `addr`'s interface.
+fn free_port(addr: SocketAddr) -> Result<SocketAddr> {
+    let err = |e: std::io::Error| TransportError::Broker { addr: addr.to_string(), reason: e.to_string() };
+    let probe = TcpListener::bind(addr).map_err(err)?;
+    probe.local_addr().map_err(err)
+}
+
 impl EmbeddedBroker {
-    /// Starts a broker listening on `addr` and waits until it accepts connections.
+    /// Starts a broker listening on `addr` and waits until it accepts connections. Port 0
+    /// picks a free port (see [`EmbeddedBroker::addr`]).
     pub fn start(addr: SocketAddr) -> Result<Self> {
+        let addr = if addr.port() == 0 { free_port(addr)? } else { addr };
         let err = |reason: String| TransportError::Broker { addr: addr.to_string(), reason };
         // rumqttd only logs a failed bind from its own thread; check first so the user
         // sees why.

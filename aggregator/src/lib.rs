@@ -1,0 +1,80 @@
+//! `fedpo-aggregator`: coordinates federated DPO rounds over MQTT.
+//!
+//! The binary is a thin wrapper over [`run_cli`], which tests call in-process.
+//!
+//! ```text
+//! fedpo-aggregator simulate --devices 5 --rounds 20 --method pfeddpo --out runs/demo
+//! fedpo-aggregator serve --broker mqtt://broker:1883 --job lab --min-devices 10 --out runs/lab
+//! ```
+
+mod accumulator;
+mod broker_args;
+mod checkpoint;
+mod global_model;
+mod job;
+mod metrics;
+mod server;
+mod simulate;
+mod strategy;
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+use clap::{Args, Parser, Subcommand};
+use fedpo_transport::{LinkOptions, MqttLink};
+
+#[derive(Parser)]
+#[command(name = "fedpo-aggregator", version, about = "fedpo aggregator: federated DPO rounds over MQTT")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Coordinate devices through a broker: wait for registrations, run the rounds,
+    /// checkpoint after each.
+    Serve(ServeArgs),
+    /// Simulate a fleet on this machine: embedded broker, aggregator and N devices.
+    Simulate(simulate::SimulateArgs),
+}
+
+#[derive(Debug, Args)]
+struct ServeArgs {
+    #[command(flatten)]
+    job: job::JobArgs,
+    #[command(flatten)]
+    broker: broker_args::BrokerArgs,
+    /// Output directory: metrics.jsonl, summary.json and checkpoint/.
+    #[arg(long)]
+    out: PathBuf,
+    /// Continue from the checkpoint in --out.
+    #[arg(long)]
+    resume: bool,
+}
+
+fn serve(args: ServeArgs) -> Result<()> {
+    args.job.validate()?;
+    server::check_out_dir(&args.out, args.resume)?;
+    let (url, _broker) = args.broker.resolve(false)?;
+    let mut opts = LinkOptions::new(format!("fedpo-{}-aggregator", args.job.job));
+    opts.tls = args.broker.tls();
+    let link = MqttLink::connect(&url, &opts)?;
+    tracing::info!(broker = %url, job = %args.job.job, "aggregator connected");
+    let mut server = server::Server::new(link, args.job, &args.out, args.resume)?;
+    let summary = server.run()?;
+    tracing::info!(sha256 = %server.global().sha256_hex(), rounds = summary.rounds, "job finished");
+    Ok(())
+}
+
+/// Parses a `fedpo-aggregator` command line (program name first) and runs it.
+pub fn run_cli<I, T>(args: I) -> Result<()>
+where
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
+    match Cli::try_parse_from(args)?.command {
+        Command::Serve(args) => serve(args),
+        Command::Simulate(args) => simulate::run(args).map(|_| ()),
+    }
+}

@@ -1,0 +1,115 @@
+//! Helpers for fleet scenarios: a wiretap on the broker, decoding what it heard, and
+//! finding the workspace's binaries.
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use fedpo_transport::{BrokerUrl, Delivery, LinkEvent, LinkOptions, MqttLink};
+use fedpo_wire::{Limits, Manifest, Message, Progress, Reassembler, RoundPlan, TensorPayload, Update};
+
+/// Records every message published under a topic filter.
+pub struct Wiretap {
+    heard: Arc<Mutex<Vec<Delivery>>>,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Wiretap {
+    pub fn start(url: &BrokerUrl, filter: &str) -> Self {
+        let link = MqttLink::connect(url, &LinkOptions::new("wiretap")).expect("wiretap connects");
+        link.subscribe(filter).unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+        let heard = Arc::new(Mutex::new(Vec::new()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread = {
+            let (heard, stop) = (heard.clone(), stop.clone());
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::SeqCst) {
+                    if let Ok(Some(LinkEvent::Message(d))) = link.recv_timeout(Duration::from_millis(100)) {
+                        heard.lock().unwrap().push(d);
+                    }
+                }
+            })
+        };
+        Self { heard, stop, thread: Some(thread) }
+    }
+
+    /// Everything heard so far.
+    pub fn heard(&self) -> Vec<Delivery> {
+        self.heard.lock().unwrap().clone()
+    }
+
+    /// Stops and returns everything heard.
+    pub fn stop(mut self) -> Vec<Delivery> {
+        std::thread::sleep(Duration::from_millis(500));
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(t) = self.thread.take() {
+            t.join().unwrap();
+        }
+        self.heard()
+    }
+}
+
+/// A round as the wire saw it.
+#[derive(Default)]
+pub struct RoundOnWire {
+    pub plans: Vec<RoundPlan>,
+    pub global: Option<TensorPayload>,
+    /// Device → (pairs, delta payload).
+    pub updates: BTreeMap<String, (u64, TensorPayload)>,
+}
+
+/// Decodes a tap: every plan, the global model of each round and every complete update.
+pub fn decode_rounds(heard: &[Delivery]) -> BTreeMap<u64, RoundOnWire> {
+    let limits = Limits::default();
+    let mut rounds: BTreeMap<u64, RoundOnWire> = BTreeMap::new();
+    let mut transfers: BTreeMap<String, (u64, Option<Update>, Reassembler)> = BTreeMap::new();
+    let start = |m: &Manifest| Reassembler::new(m.clone(), &limits).unwrap();
+    for d in heard {
+        match Message::decode(&d.payload, &limits).expect("everything on the wire decodes") {
+            Message::Plan(p) => {
+                transfers.insert(p.global_model.transfer.clone(), (p.round, None, start(&p.global_model)));
+                rounds.entry(p.round).or_default().plans.push(p);
+            }
+            Message::Update(u) => {
+                transfers.insert(u.update.transfer.clone(), (u.round, Some(u.clone()), start(&u.update)));
+            }
+            Message::Chunk(c) => {
+                let Some((round, update, r)) = transfers.get_mut(&c.transfer) else { continue };
+                if let Progress::Complete(bytes) = r.accept(c).unwrap() {
+                    let payload = TensorPayload::from_bytes(&bytes, &limits, false).unwrap();
+                    let entry = rounds.entry(*round).or_default();
+                    match update {
+                        Some(u) => {
+                            entry.updates.insert(u.device.clone(), (u.pairs, payload));
+                        }
+                        None => entry.global = Some(payload),
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    rounds
+}
+
+/// A workspace binary (built by `cargo test --workspace`, which builds every package's
+/// binaries for its integration tests).
+pub fn binary(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let dir = exe.parent().unwrap().parent().unwrap();
+    let path = dir.join(name);
+    assert!(path.exists(), "{} is missing; build it first (cargo build -p {name})", path.display());
+    path
+}
+
+/// Values of a tensor in a payload.
+pub fn tensor_values(p: &TensorPayload, name: &str) -> Vec<f32> {
+    p.tensors.iter().find(|t| t.name() == name).unwrap_or_else(|| panic!("`{name}` in payload")).values()
+}
