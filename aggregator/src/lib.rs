@@ -13,6 +13,7 @@ mod checkpoint;
 mod global_model;
 mod job;
 mod metrics;
+mod plots;
 mod server;
 mod simulate;
 mod strategy;
@@ -37,6 +38,11 @@ enum Command {
     Serve(ServeArgs),
     /// Simulate a fleet on this machine: embedded broker, aggregator and N devices.
     Simulate(simulate::SimulateArgs),
+    /// Redraw loss.png, accuracy.png and grad_norm.png from a job's metrics.jsonl.
+    Plot {
+        /// The job's output directory.
+        out: PathBuf,
+    },
 }
 
 #[derive(Debug, Args)]
@@ -76,5 +82,10 @@ where
     match Cli::try_parse_from(args)?.command {
         Command::Serve(args) => serve(args),
         Command::Simulate(args) => simulate::run(args).map(|_| ()),
+        Command::Plot { out } => {
+            let records = plots::read_records(&out)?;
+            let method = records.first().map_or("fedpo".to_string(), |r| r.method.clone());
+            plots::write_plots(&out, &method, &records)
+        }
     }
 }

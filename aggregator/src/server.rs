@@ -167,6 +167,12 @@ impl Server {
         summary.global_sha256 = self.state.global_sha256.clone();
         let path = self.out.join("summary.json");
         fedpo_model::io::write_atomic(&path, &serde_json::to_vec_pretty(&summary)?)?;
+        match crate::plots::read_records(&self.out)
+            .and_then(|records| crate::plots::write_plots(&self.out, self.job.method.name(), &records))
+        {
+            Ok(()) => tracing::info!(out = %self.out.display(), "wrote loss.png, accuracy.png and grad_norm.png"),
+            Err(e) => tracing::warn!(error = %e, "could not write the plots"),
+        }
         Ok(summary)
     }
 
