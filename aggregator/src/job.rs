@@ -6,9 +6,10 @@ use anyhow::{bail, Context, Result};
 use candle_core::Device;
 use clap::Args;
 use fedpo_model::checkpoint::load_hf_dir;
-use fedpo_model::{Gpt2Config, LoraConfig, LoraTargets, Partition, PartitionPreset, Policy, PolicySpec};
+use fedpo_model::{Gpt2Config, LoraConfig, LoraTargets, Partition, Policy, PolicySpec};
 
 use crate::global_model::GlobalModel;
+use crate::method::Method;
 
 /// How rounds run.
 #[derive(Debug, Args, Clone)]
@@ -16,10 +17,10 @@ pub(crate) struct JobArgs {
     /// Job name: every topic lives under fedpo/{job}/.
     #[arg(long, default_value = "demo")]
     pub(crate) job: String,
-    /// pfeddpo (shared base, private adapters), feddpo (shared base, no adapter) or
-    /// shared-lora (frozen base, averaged adapters).
+    /// pfeddpo (shared base, private adapters), feddpo (shared base, no adapter),
+    /// shared-lora (frozen base, averaged adapters) or centralized (one trainer, all data).
     #[arg(long, default_value = "pfeddpo")]
-    pub(crate) method: PartitionPreset,
+    pub(crate) method: Method,
     /// `tiny` or `distilgpt2` (GPT-2 initialised from --seed), or an HF directory.
     #[arg(long, default_value = "tiny")]
     pub(crate) model: String,
@@ -101,7 +102,7 @@ impl JobArgs {
     pub(crate) fn initial_model(&self) -> Result<GlobalModel> {
         let targets: Vec<&str> = self.targets.0.iter().map(String::as_str).collect();
         let lora = LoraConfig::new(self.rank, self.alpha, &targets)?;
-        let partition = Partition { preset: self.method, freeze_embeddings: self.freeze_embeddings };
+        let partition = Partition { preset: self.method.partition(), freeze_embeddings: self.freeze_embeddings };
         let (config, base) = match Gpt2Config::preset(&self.model) {
             Some(c) => (c, None),
             None => {

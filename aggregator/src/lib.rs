@@ -12,6 +12,7 @@ mod broker_args;
 mod checkpoint;
 mod global_model;
 mod job;
+mod method;
 mod metrics;
 mod plots;
 mod server;

@@ -20,6 +20,7 @@ use fedpo_transport::{BrokerUrl, LinkOptions, MqttLink, TlsFiles};
 
 use crate::broker_args::BrokerArgs;
 use crate::job::JobArgs;
+use crate::method::Method;
 use crate::metrics::Summary;
 use crate::server::Server;
 
@@ -59,6 +60,9 @@ enum Fleet {
     Threads(Vec<JoinHandle<Result<participant::ParticipantSummary, participant::ParticipantError>>>, Arc<AtomicBool>),
     Processes(Vec<Child>),
 }
+
+/// The id of the one trainer under `--method centralized`.
+const CENTRAL_ID: &str = "central";
 
 fn device_id(k: usize) -> String {
     format!("dev-{k}")
@@ -121,23 +125,35 @@ impl SimulateArgs {
         }
         let stop = Arc::new(AtomicBool::new(false));
         let spec = self.spec();
-        let mut handles = Vec::with_capacity(self.devices);
+        let mut shards = Vec::with_capacity(self.devices);
         for k in 0..self.devices {
             let data = generate_device(&spec, k)?;
+            shards.push((device_id(k), data.train, data.heldout));
+        }
+        if self.job.method == Method::Centralized {
+            // One trainer holding every persona's pairs.
+            let (train, heldout) = shards.drain(..).fold((Vec::new(), Vec::new()), |(mut t, mut h), (_, dt, dh)| {
+                t.extend(dt);
+                h.extend(dh);
+                (t, h)
+            });
+            shards.push((CENTRAL_ID.to_string(), train, heldout));
+        }
+        let mut handles = Vec::with_capacity(shards.len());
+        for (id, train, heldout) in shards {
             let cfg = ParticipantConfig {
                 broker: url.clone(),
                 tls: tls.clone(),
                 job: self.job.job.clone(),
-                id: device_id(k),
-                state_dir: devices_dir.join(device_id(k)),
-                train: data.train,
-                heldout: data.heldout,
+                id: id.clone(),
+                state_dir: devices_dir.join(&id),
+                train,
+                heldout,
                 max_len: self.max_len,
                 compute: Device::Cpu,
                 stop: stop.clone(),
             };
-            let handle = std::thread::Builder::new().name(device_id(k)).spawn(move || participant::run(cfg))?;
-            handles.push(handle);
+            handles.push(std::thread::Builder::new().name(id).spawn(move || participant::run(cfg))?);
         }
         Ok(Fleet::Threads(handles, stop))
     }
@@ -148,6 +164,15 @@ pub(crate) fn run(args: SimulateArgs) -> Result<Summary> {
         bail!("--devices must be at least 1");
     }
     let mut job = args.job.clone();
+    if job.method == Method::Centralized {
+        if args.processes {
+            bail!("--method centralized runs its one trainer in-process; drop --processes");
+        }
+        // One trainer sees as many pairs per round as the whole fleet would.
+        job.local_steps = job.local_steps.saturating_mul(args.devices as u32);
+        job.min_devices = Some(1);
+        job.per_round = 1;
+    }
     job.min_devices = Some(job.min_devices.unwrap_or(args.devices));
     job.per_round = job.per_round.min(args.devices);
     job.quorum = job.quorum.min(job.per_round);
