@@ -89,8 +89,10 @@ impl JobArgs {
         if self.quorum > self.per_round {
             bail!("--quorum {} can never be met with --per-round {}", self.quorum, self.per_round);
         }
-        if !(self.lr.is_finite() && self.lr > 0.0) || !(self.server_lr.is_finite() && self.server_lr > 0.0) {
-            bail!("--lr and --server-lr must be positive");
+        for (flag, v) in [("--lr", self.lr), ("--server-lr", self.server_lr), ("--beta", self.beta)] {
+            if !(v.is_finite() && v > 0.0) {
+                bail!("{flag} must be a positive number, got {v}");
+            }
         }
         if self.batch_pairs == 0 {
             bail!("--batch-pairs must be at least 1");

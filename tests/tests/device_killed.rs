@@ -45,32 +45,8 @@ fn killed_device_is_left_out_of_its_round_and_rejoins_the_next_with_its_adapter(
     let tap = Wiretap::start(&url, "fedpo/kill/#");
     let out = dir.path().join("aggregator");
     let aggregator = {
-        let args: Vec<String> = [
-            "fedpo-aggregator",
-            "serve",
-            "--broker",
-            &url.to_string(),
-            "--job",
-            "kill",
-            "--freeze-embeddings",
-            "--rounds",
-            "3",
-            "--per-round",
-            "3",
-            "--min-devices",
-            "3",
-            "--local-steps",
-            "1",
-            "--batch-pairs",
-            "4",
-            "--round-deadline",
-            "300",
-            "--out",
-            out.to_str().unwrap(),
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
+        let args =
+            common::serve_args(&url, "kill", &out, &["--rounds", "3", "--local-steps", "1", "--round-deadline", "300"]);
         std::thread::spawn(move || fedpo_aggregator::run_cli(args))
     };
     let mut devices: Vec<Child> = (0..3).map(|k| spawn_device(&url, k, dir.path())).collect();

@@ -65,34 +65,12 @@ fn fleet_over_the_embedded_broker_averages_by_pairs_and_never_sends_an_adapter()
     let tap = Wiretap::start(&url, "fedpo/#");
     let out = dir.path().join("aggregator");
     let aggregator = {
-        let args: Vec<String> = [
-            "fedpo-aggregator",
-            "serve",
-            "--broker",
-            &url.to_string(),
-            "--job",
+        let args = common::serve_args(
+            &url,
             "fleet",
-            "--method",
-            "pfeddpo",
-            "--freeze-embeddings",
-            "--rounds",
-            "2",
-            "--per-round",
-            "3",
-            "--min-devices",
-            "3",
-            "--local-steps",
-            "2",
-            "--batch-pairs",
-            "4",
-            "--lr",
-            "0.1",
-            "--out",
-            out.to_str().unwrap(),
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
+            &out,
+            &["--method", "pfeddpo", "--rounds", "2", "--local-steps", "2", "--lr", "0.1"],
+        );
         std::thread::spawn(move || fedpo_aggregator::run_cli(args))
     };
     let devices = start_devices(&url, "fleet", dir.path());

@@ -113,3 +113,20 @@ pub fn binary(name: &str) -> PathBuf {
 pub fn tensor_values(p: &TensorPayload, name: &str) -> Vec<f32> {
     p.tensors.iter().find(|t| t.name() == name).unwrap_or_else(|| panic!("`{name}` in payload")).values()
 }
+
+/// `fedpo-aggregator serve` against `url` for a small job: `--freeze-embeddings`, 3
+/// devices per round, 4 pairs per step, plus `extra`.
+pub fn serve_args(url: &BrokerUrl, job: &str, out: &std::path::Path, extra: &[&str]) -> Vec<String> {
+    let mut args: Vec<String> = ["fedpo-aggregator", "serve", "--broker", &url.to_string(), "--job", job]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    args.extend(
+        ["--freeze-embeddings", "--per-round", "3", "--min-devices", "3", "--batch-pairs", "4", "--out"]
+            .iter()
+            .map(|s| s.to_string()),
+    );
+    args.push(out.to_str().unwrap().to_string());
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args
+}
