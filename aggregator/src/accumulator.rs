@@ -79,3 +79,63 @@ impl WeightedSum {
         self.sums.get(name).map(move |s| s.iter().map(move |v| v / w))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use fedpo_model::{Gpt2Config, Partition, PartitionPreset, PolicySpec};
+    use fedpo_wire::WireDType;
+
+    use super::*;
+    use crate::global_model::GlobalTensor;
+    use crate::strategy::{FedAvg, Strategy};
+
+    fn tensor(name: &str, values: Vec<f32>, shared: bool) -> GlobalTensor {
+        GlobalTensor { name: name.into(), shape: vec![values.len()], values, shared }
+    }
+
+    fn model() -> GlobalModel {
+        let spec =
+            PolicySpec { config: Gpt2Config::tiny(), lora: None, partition: Partition::new(PartitionPreset::Feddpo) };
+        GlobalModel::new(spec, vec![tensor("a", vec![1.0, 2.0], true), tensor("wte.weight", vec![5.0], false)])
+    }
+
+    fn update(a: [f32; 2]) -> TensorPayload {
+        TensorPayload::encode(&[tensor("a", a.to_vec(), true)], WireDType::F32)
+    }
+
+    #[test]
+    fn fedavg_applies_the_server_lr_times_the_pair_weighted_mean_and_leaves_frozen_tensors() {
+        let mut global = model();
+        let mut sum = WeightedSum::new(&global);
+        for (delta, pairs) in [([1.0, -1.0], 10.0), ([4.0, 2.0], 30.0)] {
+            let u = update(delta);
+            WeightedSum::check(&global, &u).unwrap();
+            sum.add(&u, pairs);
+        }
+        // mean delta = (10·[1,-1] + 30·[4,2]) / 40 = [3.25, 1.25]; half of it is applied.
+        let norm = FedAvg::new(0.5).aggregate(1, &mut global, &sum).unwrap();
+        assert_eq!(global.get("a").unwrap().values, vec![1.0 + 1.625, 2.0 + 0.625]);
+        assert_eq!(global.get("wte.weight").unwrap().values, vec![5.0]);
+        assert!((norm - (1.625f64.powi(2) + 0.625f64.powi(2)).sqrt()).abs() < 1e-12);
+    }
+
+    #[test]
+    fn updates_with_unknown_frozen_or_misshaped_tensors_are_refused_by_name() {
+        let global = model();
+        let frozen = TensorPayload::encode(&[tensor("wte.weight", vec![0.0], false)], WireDType::F32);
+        let err = WeightedSum::check(&global, &frozen).unwrap_err().to_string();
+        assert!(err.contains("wte.weight") && err.contains("not a shared tensor"), "{err}");
+        let short = TensorPayload::encode(&[tensor("a", vec![0.0], true)], WireDType::F32);
+        let err = WeightedSum::check(&global, &short).unwrap_err().to_string();
+        assert!(err.contains("`a`") && err.contains("[1]") && err.contains("[2]"), "{err}");
+        assert!(WeightedSum::check(&global, &TensorPayload::default()).is_ok(), "evaluation rounds send nothing");
+    }
+
+    #[test]
+    fn no_update_leaves_the_model_unchanged() {
+        let mut global = model();
+        let sum = WeightedSum::new(&global);
+        assert_eq!(FedAvg::new(1.0).aggregate(1, &mut global, &sum).unwrap(), 0.0);
+        assert_eq!(global.get("a").unwrap().values, vec![1.0, 2.0]);
+    }
+}

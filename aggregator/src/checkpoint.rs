@@ -94,3 +94,57 @@ impl CheckpointDir {
         Ok((model, state))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use fedpo_model::{Gpt2Config, Partition, PartitionPreset, PolicySpec};
+
+    use super::*;
+    use crate::global_model::GlobalTensor;
+
+    fn model(v: f32) -> GlobalModel {
+        let spec =
+            PolicySpec { config: Gpt2Config::tiny(), lora: None, partition: Partition::new(PartitionPreset::Feddpo) };
+        let t = |name: &str, shared| GlobalTensor { name: name.into(), shape: vec![2], values: vec![v, -v], shared };
+        GlobalModel::new(spec, vec![t("z.weight", true), t("a.bias", false)])
+    }
+
+    fn state(model: &GlobalModel, round: u64) -> ServerState {
+        ServerState {
+            format: STATE_FORMAT.into(),
+            job: "j".into(),
+            method: "feddpo".into(),
+            round,
+            global_sha256: model.sha256_hex(),
+            devices: BTreeMap::from([("dev-0".into(), DeviceRecord { pairs: 7, backend: "cpu".into(), online: true })]),
+            strategy: "fedavg".into(),
+            strategy_state: vec![1, 2, 3],
+            bytes_up: 10,
+            bytes_down: 20,
+        }
+    }
+
+    #[test]
+    fn checkpoint_round_trips_model_order_roles_and_state() {
+        let dir = tempfile::tempdir().unwrap();
+        let ckpt = CheckpointDir::new(dir.path());
+        let m = model(0.5);
+        ckpt.save(&m, &state(&m, 3)).unwrap();
+        let (back, st) = ckpt.load().unwrap();
+        assert_eq!(back.tensors, m.tensors, "values, shapes, roles and payload order survive");
+        assert_eq!(back.sha256_hex(), m.sha256_hex());
+        assert_eq!(st, state(&m, 3));
+    }
+
+    #[test]
+    fn model_file_from_another_round_than_the_state_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let ckpt = CheckpointDir::new(dir.path());
+        let old = model(0.5);
+        ckpt.save(&old, &state(&old, 3)).unwrap();
+        // A crash after writing round 4's model but before its state.
+        model(0.75).save(&ckpt.model_path()).unwrap();
+        let err = ckpt.load().unwrap_err().to_string();
+        assert!(err.contains("interrupted") && err.contains("global.safetensors"), "{err}");
+    }
+}

@@ -58,7 +58,7 @@ impl GlobalModel {
         Ok(Self::new(policy.spec.clone(), tensors))
     }
 
-    fn new(spec: PolicySpec, tensors: Vec<GlobalTensor>) -> Self {
+    pub(crate) fn new(spec: PolicySpec, tensors: Vec<GlobalTensor>) -> Self {
         let index = tensors.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect();
         Self { spec, tensors, index }
     }

@@ -422,6 +422,9 @@ impl Server {
         if open.reported.contains_key(device) {
             return; // a duplicate delivery or a resend of an update already counted
         }
+        if open.transfers.get(device).is_some_and(|(_, r)| r.manifest() == &u.update) {
+            return; // the same update announced again while its chunks are arriving
+        }
         if u.update.transfer != format!("r{}/{device}", open.round) {
             return refuse(format!("transfer id `{}` is not r{}/{device}", u.update.transfer, open.round));
         }
