@@ -88,3 +88,73 @@ fn connect_packet_with_will(client: &str, will_topic: &str, will: &[u8]) -> Vec<
     packet.extend(body);
     packet
 }
+
+/// A TCP relay in front of the broker whose connections can be cut, as a flaky network
+/// or a restarting broker would.
+struct CuttableRelay {
+    addr: std::net::SocketAddr,
+    live: std::sync::Arc<std::sync::Mutex<Vec<std::net::TcpStream>>>,
+}
+
+impl CuttableRelay {
+    fn start(upstream: std::net::SocketAddr) -> Self {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let live = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let conns = live.clone();
+        std::thread::spawn(move || {
+            for client in listener.incoming().flatten() {
+                let Ok(server) = std::net::TcpStream::connect(upstream) else { continue };
+                conns.lock().unwrap().extend([client.try_clone().unwrap(), server.try_clone().unwrap()]);
+                for (mut from, mut to) in [
+                    (client.try_clone().unwrap(), server.try_clone().unwrap()),
+                    (server.try_clone().unwrap(), client.try_clone().unwrap()),
+                ] {
+                    std::thread::spawn(move || {
+                        let _ = std::io::copy(&mut from, &mut to);
+                        let _ = to.shutdown(std::net::Shutdown::Both);
+                    });
+                }
+            }
+        });
+        Self { addr, live }
+    }
+
+    fn cut(&self) {
+        for s in self.live.lock().unwrap().drain(..) {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
+#[test]
+fn publishes_cut_off_by_a_dropped_connection_are_resent_after_reconnecting() {
+    let broker = EmbeddedBroker::start_on_free_port().unwrap();
+    let rx = MqttLink::connect(&broker.url(), &LinkOptions::new("rx")).unwrap();
+    rx.subscribe("fedpo/t/up/tx").unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    let relay = CuttableRelay::start(broker.addr());
+    let url = fedpo_transport::BrokerUrl::parse(&format!("mqtt://{}", relay.addr)).unwrap();
+    let mut opts = LinkOptions::new("tx");
+    opts.max_backoff = Duration::from_millis(200);
+    let tx = MqttLink::connect(&url, &opts).unwrap();
+    let payloads: Vec<Vec<u8>> = (0..24u8).map(|i| vec![i; 256 << 10]).collect();
+    for (i, p) in payloads.iter().enumerate() {
+        tx.publish("fedpo/t/up/tx", p.clone()).unwrap();
+        if i == 8 || i == 16 {
+            relay.cut();
+        }
+    }
+    assert!(tx.flush(Duration::from_secs(30)), "every publish acknowledged after reconnecting");
+    let mut events = Vec::new();
+    while let Ok(Some(e)) = tx.recv_timeout(Duration::from_millis(10)) {
+        events.push(e);
+    }
+    assert!(events.iter().any(|e| matches!(e, LinkEvent::Disconnected(_))), "the cut was noticed");
+    assert!(events.iter().filter(|e| matches!(e, LinkEvent::Connected)).count() >= 2, "and it reconnected");
+    let mut seen = std::collections::BTreeSet::new();
+    while let Some((_, p)) = next_message(&rx, Duration::from_secs(3)) {
+        seen.insert(p[0]);
+    }
+    assert_eq!(seen.len(), payloads.len(), "every payload arrived at least once: {seen:?}");
+}
