@@ -241,7 +241,12 @@ impl Participant {
                         Ok(Chunks::Complete(bytes)) => {
                             let (plan, _) = pending.take().expect("pending plan");
                             self.summary.bytes_down += bytes.len() as u64;
-                            self.round(&plan, &bytes)?;
+                            // A round that cannot run (a model that does not fit, a
+                            // non-finite loss) costs this round only: the device stays
+                            // in the job and the aggregator's deadline moves on.
+                            if let Err(e) = self.round(&plan, &bytes) {
+                                tracing::error!(round = plan.round, error = %e, "round failed; waiting for the next plan");
+                            }
                         }
                         Ok(_) => {}
                         Err(e) => {
