@@ -70,6 +70,14 @@ impl WeightedSum {
         self.count
     }
 
+    /// ‖Σ w_i Δ_i / Σ w_i‖ over every tensor (0 with no update).
+    pub(crate) fn mean_norm(&self) -> f64 {
+        if self.weight <= 0.0 {
+            return 0.0;
+        }
+        self.sums.values().flatten().map(|s| (s / self.weight).powi(2)).sum::<f64>().sqrt()
+    }
+
     /// The weighted mean of one tensor's updates, if any update was added.
     pub(crate) fn mean(&self, name: &str) -> Option<impl Iterator<Item = f64> + '_> {
         if self.weight <= 0.0 {
@@ -113,6 +121,7 @@ mod tests {
             sum.add(&u, pairs);
         }
         // mean delta = (10·[1,-1] + 30·[4,2]) / 40 = [3.25, 1.25]; half of it is applied.
+        assert!((sum.mean_norm() - (3.25f64.powi(2) + 1.25f64.powi(2)).sqrt()).abs() < 1e-12);
         let norm = FedAvg::new(0.5).aggregate(1, &mut global, &sum).unwrap();
         assert_eq!(global.get("a").unwrap().values, vec![1.0 + 1.625, 2.0 + 0.625]);
         assert_eq!(global.get("wte.weight").unwrap().values, vec![5.0]);

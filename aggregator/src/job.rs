@@ -8,8 +8,10 @@ use clap::Args;
 use fedpo_model::checkpoint::load_hf_dir;
 use fedpo_model::{Gpt2Config, LoraConfig, LoraTargets, Partition, Policy, PolicySpec};
 
+use crate::adaptive::{Adaptivity, FedAdaptive};
 use crate::global_model::GlobalModel;
 use crate::method::Method;
+use crate::strategy::{FedAvg, Strategy};
 
 /// How rounds run.
 #[derive(Debug, Args, Clone)]
@@ -54,9 +56,22 @@ pub(crate) struct JobArgs {
     /// Pairs per local step.
     #[arg(long, default_value_t = 8)]
     pub(crate) batch_pairs: u32,
-    /// Server learning rate applied to the averaged update.
-    #[arg(long, default_value_t = 1.0)]
-    pub(crate) server_lr: f64,
+    /// Server optimizer: fedavg, fedadam or fedyogi (Reddi et al. 2021).
+    #[arg(long, default_value = "fedavg", value_parser = ["fedavg", "fedadam", "fedyogi"])]
+    pub(crate) strategy: String,
+    /// Server learning rate η applied to the averaged update [default: 1.0 for fedavg,
+    /// 0.01 for fedadam and fedyogi].
+    #[arg(long)]
+    pub(crate) server_lr: Option<f64>,
+    /// FedAdam/FedYogi first-moment decay β1.
+    #[arg(long, default_value_t = 0.9)]
+    pub(crate) server_beta1: f64,
+    /// FedAdam/FedYogi second-moment decay β2.
+    #[arg(long, default_value_t = 0.99)]
+    pub(crate) server_beta2: f64,
+    /// FedAdam/FedYogi adaptivity floor τ.
+    #[arg(long, default_value_t = 1e-3)]
+    pub(crate) server_tau: f64,
     /// Seed of the model init and of device selection.
     #[arg(long, default_value_t = 0)]
     pub(crate) seed: u64,
@@ -89,7 +104,12 @@ impl JobArgs {
         if self.quorum > self.per_round {
             bail!("--quorum {} can never be met with --per-round {}", self.quorum, self.per_round);
         }
-        for (flag, v) in [("--lr", self.lr), ("--server-lr", self.server_lr), ("--beta", self.beta)] {
+        for (flag, v) in [
+            ("--lr", self.lr),
+            ("--server-lr", self.server_lr()),
+            ("--beta", self.beta),
+            ("--server-tau", self.server_tau),
+        ] {
             if !(v.is_finite() && v > 0.0) {
                 bail!("{flag} must be a positive number, got {v}");
             }
@@ -97,7 +117,29 @@ impl JobArgs {
         if self.batch_pairs == 0 {
             bail!("--batch-pairs must be at least 1");
         }
+        for (flag, v) in [("--server-beta1", self.server_beta1), ("--server-beta2", self.server_beta2)] {
+            if !(0.0..1.0).contains(&v) {
+                bail!("{flag} must be in [0, 1), got {v}");
+            }
+        }
         Ok(())
+    }
+
+    /// η: the flag, or the strategy's usual value.
+    pub(crate) fn server_lr(&self) -> f64 {
+        self.server_lr.unwrap_or(if self.strategy == "fedavg" { 1.0 } else { 0.01 })
+    }
+
+    /// The server strategy the flags describe.
+    pub(crate) fn build_strategy(&self) -> Box<dyn Strategy> {
+        let adaptive = |kind| {
+            Box::new(FedAdaptive::new(kind, self.server_lr(), self.server_beta1, self.server_beta2, self.server_tau))
+        };
+        match self.strategy.as_str() {
+            "fedadam" => adaptive(Adaptivity::Adam),
+            "fedyogi" => adaptive(Adaptivity::Yogi),
+            _ => Box::new(FedAvg::new(self.server_lr())),
+        }
     }
 
     /// The round-0 global model: a preset initialised from --seed, or an HF checkpoint.

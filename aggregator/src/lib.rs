@@ -8,6 +8,7 @@
 //! ```
 
 mod accumulator;
+mod adaptive;
 mod broker_args;
 mod checkpoint;
 mod global_model;

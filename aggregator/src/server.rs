@@ -24,7 +24,7 @@ use crate::checkpoint::{CheckpointDir, DeviceRecord, ServerState, STATE_FORMAT};
 use crate::global_model::GlobalModel;
 use crate::job::JobArgs;
 use crate::metrics::{mean, MetricsLog, RoundRecord, Summary};
-use crate::strategy::{FedAvg, Strategy};
+use crate::strategy::Strategy;
 
 /// Resend the model to a device that asks again at most this often per round.
 const MAX_RESENDS: u32 = 3;
@@ -75,10 +75,13 @@ impl Server {
         let topics = Topics::new(&job.job).map_err(anyhow::Error::msg)?;
         std::fs::create_dir_all(out)?;
         let checkpoints = CheckpointDir::new(out);
-        let mut strategy: Box<dyn Strategy> = Box::new(FedAvg::new(job.server_lr));
+        let mut strategy = job.build_strategy();
         check_out_dir(out, resume)?;
         let (global, state) = if checkpoints.exists() {
             let (global, state) = checkpoints.load()?;
+            if state.strategy != strategy.name() {
+                bail!("the checkpoint was made with --strategy {}, not {}", state.strategy, strategy.name());
+            }
             if state.job != job.job || state.method != job.method.name() {
                 bail!(
                     "the checkpoint is job `{}` with method {}, not job `{}` with {}",
@@ -310,9 +313,9 @@ impl Server {
         self.state.bytes_down += open.bytes_down;
         if !open.evaluation {
             if open.sum.count() >= self.job.quorum {
-                record.update_norm = self.strategy.aggregate(open.round, &mut self.global, &open.sum)?;
                 let local = self.job.lr * f64::from(self.job.local_steps.max(1));
-                record.grad_norm = record.update_norm / self.job.server_lr / local;
+                record.grad_norm = open.sum.mean_norm() / local;
+                record.update_norm = self.strategy.aggregate(open.round, &mut self.global, &open.sum)?;
             } else {
                 tracing::warn!(
                     updates = open.sum.count(),
