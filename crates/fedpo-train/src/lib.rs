@@ -7,10 +7,12 @@ pub mod logps;
 pub mod loss;
 pub mod optim;
 pub mod reference;
+pub mod terms;
 mod trainer;
 
 pub use error::{Result, TrainError};
 pub use loss::LossKind;
 pub use optim::{OptimConfig, OptimKind, Optimizer};
 pub use reference::{load_or_score_pairs, score_pairs, SequenceLogps};
+pub use terms::LocalTerms;
 pub use trainer::{evaluate, DpoSettings, EvalMetrics, LocalTrainer, PreferenceSet, StepMetrics};

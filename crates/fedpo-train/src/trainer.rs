@@ -20,6 +20,7 @@ use crate::logps::{sequence_logps, sequence_logps_values, BatchTensors};
 use crate::loss::{check_loss_settings, preference_loss, LossKind, PairLogps};
 use crate::optim::{OptimConfig, Optimizer};
 use crate::reference::SequenceLogps;
+use crate::terms::{add_scaled, LocalTerms};
 
 /// Tokenized pairs with their reference log-probs.
 #[derive(Debug, Clone)]
@@ -66,8 +67,11 @@ pub struct StepMetrics {
     pub reward_acc: f64,
     /// Mean `reward_chosen - reward_rejected`.
     pub margin: f64,
-    /// Global norm of the gradient, before clipping.
+    /// Global norm of the gradient the optimizer applied (DPO plus the local terms),
+    /// before clipping.
     pub grad_norm: f64,
+    /// Value of the local terms (FedProx's and FedGA's penalties) at the step's start.
+    pub penalty: f64,
     /// Wall time of the step.
     pub seconds: f64,
 }
@@ -123,6 +127,7 @@ pub struct LocalTrainer {
     rng: StdRng,
     order: Vec<usize>,
     cursor: usize,
+    terms: LocalTerms,
 }
 
 impl LocalTrainer {
@@ -135,12 +140,24 @@ impl LocalTrainer {
             rng: StdRng::seed_from_u64(seed),
             order: Vec::new(),
             cursor: 0,
+            terms: LocalTerms::default(),
         })
     }
 
     /// The optimizer, e.g. to save or restore its state.
     pub fn optimizer_mut(&mut self) -> &mut Optimizer {
         &mut self.optimizer
+    }
+
+    /// Adds a federated algorithm's terms to the local objective.
+    pub fn with_terms(mut self, terms: LocalTerms) -> Self {
+        self.terms = terms;
+        self
+    }
+
+    /// The local terms, e.g. to read SCAFFOLD's new control variate after the round.
+    pub fn terms(&self) -> &LocalTerms {
+        &self.terms
     }
 
     /// The settings.
@@ -215,7 +232,24 @@ impl LocalTrainer {
         }
         let start = Instant::now();
         let indices = self.next_indices(data.pairs.len(), self.settings.batch_pairs);
-        let (grads, totals) = self.gradient(policy, data, &indices)?;
+        let (mut grads, totals) = self.gradient(policy, data, &indices)?;
+        let mut penalty = 0.0;
+        if let Some(scaffold) = self.terms.scaffold.as_mut() {
+            scaffold.observe(&grads)?;
+        }
+        if let Some(alignment) = &self.terms.alignment {
+            let regrad = || Ok(self.gradient(policy, data, &indices)?.0);
+            let (value, extra) = alignment.penalty_gradient(policy, &grads, &regrad)?;
+            penalty += value;
+            add_scaled(&mut grads, &extra, 1.0)?;
+        }
+        if let Some(proximal) = &self.terms.proximal {
+            penalty += proximal.value(policy)?;
+            proximal.apply(policy, &mut grads)?;
+        }
+        if let Some(scaffold) = &self.terms.scaffold {
+            scaffold.apply(&mut grads)?;
+        }
         let trainable: Vec<(&str, &Var)> =
             policy.params.trainable().filter_map(|p| p.var().map(|v| (p.name.as_str(), v))).collect();
         let grad_norm = self.optimizer.step(&trainable, &grads)?;
@@ -226,6 +260,7 @@ impl LocalTrainer {
             reward_acc: totals.correct as f64 / n,
             margin: totals.margin / n,
             grad_norm,
+            penalty,
             seconds: start.elapsed().as_secs_f64(),
         })
     }
