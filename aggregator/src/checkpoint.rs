@@ -40,6 +40,9 @@ pub(crate) struct ServerState {
     pub(crate) strategy_state: Vec<u8>,
     pub(crate) bytes_up: u64,
     pub(crate) bytes_down: u64,
+    /// The client term's state (SCAFFOLD's c, FedGA's r).
+    #[serde(default, with = "serde_bytes")]
+    pub(crate) client_term_state: Vec<u8>,
 }
 
 pub(crate) const STATE_FORMAT: &str = "fedpo-server-state/1";
@@ -121,6 +124,7 @@ mod tests {
             strategy_state: vec![1, 2, 3],
             bytes_up: 10,
             bytes_down: 20,
+            client_term_state: vec![4, 5],
         }
     }
 

@@ -9,6 +9,7 @@ use fedpo_model::checkpoint::load_hf_dir;
 use fedpo_model::{Gpt2Config, LoraConfig, LoraTargets, Partition, Policy, PolicySpec};
 
 use crate::adaptive::{Adaptivity, FedAdaptive};
+use crate::client_term::{resolve_layer_weights, ClientTerm, ClientTermKind, FedgaSettings};
 use crate::global_model::GlobalModel;
 use crate::method::Method;
 use crate::strategy::{FedAvg, Strategy};
@@ -72,6 +73,38 @@ pub(crate) struct JobArgs {
     /// FedAdam/FedYogi adaptivity floor τ.
     #[arg(long, default_value_t = 1e-3)]
     pub(crate) server_tau: f64,
+    /// Term every device adds to its local objective: none, fedprox (μ/2·‖θ − θ_global‖²),
+    /// scaffold (control variates) or fedga (gradient alignment with the global direction).
+    #[arg(long, value_enum, default_value = "none")]
+    pub(crate) client_term: ClientTermKind,
+    /// FedProx's μ.
+    #[arg(long, default_value_t = 0.01)]
+    pub(crate) prox_mu: f64,
+    /// FedGA's λ: weight of the alignment penalty.
+    #[arg(long, default_value_t = 0.1)]
+    pub(crate) fedga_lambda: f64,
+    /// FedGA's β: EMA decay of the reference direction.
+    #[arg(long, default_value_t = 0.9)]
+    pub(crate) fedga_beta: f64,
+    /// FedGA's cosine over the whole shared model (`full`) or per layer (`layer`).
+    #[arg(long, default_value = "full", value_parser = ["full", "layer"])]
+    pub(crate) fedga_granularity: String,
+    /// Per-layer FedGA weights, e.g. 'h.*.attn=1,wte=0' (later patterns win; layers not
+    /// named weigh 1). Needs --fedga-granularity layer.
+    #[arg(long, default_value = "")]
+    pub(crate) fedga_layer_weights: String,
+    /// FedGA gradient: `hvp` (finite-difference Hessian-vector product, two extra
+    /// backward passes per step) or `displacement` (first order, no extra pass).
+    #[arg(long, default_value = "hvp", value_parser = ["hvp", "displacement"])]
+    pub(crate) fedga_mode: String,
+    /// FedGA's finite-difference step, relative to the norm of the shared parameters.
+    #[arg(long, default_value_t = 1e-3)]
+    pub(crate) fedga_fd_step: f64,
+    /// Devices upload their full local gradient at the received model each round, for the
+    /// exact global gradient norm and the gradient diversity κ² (one more shared-set-sized
+    /// upload per device and round, reported as diagnostics_bytes).
+    #[arg(long)]
+    pub(crate) diagnostics: bool,
     /// Seed of the model init and of device selection.
     #[arg(long, default_value_t = 0)]
     pub(crate) seed: u64,
@@ -117,6 +150,20 @@ impl JobArgs {
         if self.batch_pairs == 0 {
             bail!("--batch-pairs must be at least 1");
         }
+        for (flag, v) in [("--prox-mu", self.prox_mu), ("--fedga-lambda", self.fedga_lambda)] {
+            if !(v.is_finite() && v >= 0.0) {
+                bail!("{flag} must be a non-negative number, got {v}");
+            }
+        }
+        if !(self.fedga_fd_step.is_finite() && self.fedga_fd_step > 0.0) {
+            bail!("--fedga-fd-step must be a positive number, got {}", self.fedga_fd_step);
+        }
+        if !(0.0..1.0).contains(&self.fedga_beta) {
+            bail!("--fedga-beta must be in [0, 1), got {}", self.fedga_beta);
+        }
+        if !self.fedga_layer_weights.is_empty() && self.fedga_granularity != "layer" {
+            bail!("--fedga-layer-weights needs --fedga-granularity layer");
+        }
         for (flag, v) in [("--server-beta1", self.server_beta1), ("--server-beta2", self.server_beta2)] {
             if !(0.0..1.0).contains(&v) {
                 bail!("{flag} must be in [0, 1), got {v}");
@@ -140,6 +187,19 @@ impl JobArgs {
             "fedyogi" => adaptive(Adaptivity::Yogi),
             _ => Box::new(FedAvg::new(self.server_lr())),
         }
+    }
+
+    /// The client-side term the flags describe, for a job on `global`.
+    pub(crate) fn build_client_term(&self, global: &GlobalModel) -> Result<ClientTerm> {
+        let fedga = FedgaSettings {
+            lambda: self.fedga_lambda,
+            beta: self.fedga_beta,
+            layer: self.fedga_granularity == "layer",
+            displacement: self.fedga_mode == "displacement",
+            fd_step: self.fedga_fd_step,
+            weights: resolve_layer_weights(&self.fedga_layer_weights, global)?,
+        };
+        Ok(ClientTerm::new(self.client_term, self.prox_mu, fedga, global))
     }
 
     /// The round-0 global model: a preset initialised from --seed, or an HF checkpoint.

@@ -11,6 +11,8 @@ mod accumulator;
 mod adaptive;
 mod broker_args;
 mod checkpoint;
+mod client_term;
+mod diagnostics;
 mod global_model;
 mod job;
 mod method;

@@ -9,8 +9,9 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 
-/// One round's record.
+/// One round's record. Fields added later default when reading older logs.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
 pub(crate) struct RoundRecord {
     pub(crate) round: u64,
     pub(crate) method: String,
@@ -26,9 +27,16 @@ pub(crate) struct RoundRecord {
     pub(crate) reward_acc: BTreeMap<String, f64>,
     /// Reward accuracy on each device's held-out pairs, at the round's start model.
     pub(crate) heldout_acc: BTreeMap<String, f64>,
-    /// Norm of the pseudo-gradient, ‖mean update‖ / (lr · E): the global gradient norm
-    /// that local SGD followed this round.
+    /// The global gradient norm. With --diagnostics, exactly ‖mean_i ∇F_i(θ_t)‖ from the
+    /// devices' full gradients at the round's model; otherwise the pseudo-gradient
+    /// ‖mean update‖ / (lr · E) that local SGD followed.
     pub(crate) grad_norm: f64,
+    /// Gradient diversity mean_i ‖∇F_i(θ_t) − mean‖² (with --diagnostics).
+    pub(crate) kappa2: Option<f64>,
+    /// Mean pairwise cosine between device updates, per layer (with --diagnostics).
+    pub(crate) layer_cos: BTreeMap<String, f64>,
+    /// Of bytes_up, what the diagnostic gradients took.
+    pub(crate) diagnostics_bytes: u64,
     /// Norm of the change applied to the global model.
     pub(crate) update_norm: f64,
     /// Pair-weighted mean of the devices' first-step gradient norms.

@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Result};
 use fedpo_transport::{LinkEvent, MqttLink, Topics};
 use fedpo_wire::{
-    Hyperparameters, Limits, Message, Progress, Reassembler, RoundPlan, RoundResult, TensorPayload, TransferChunk,
-    Update, UpdateMetrics, DEFAULT_CHUNK_BYTES,
+    keys, split_payload, Bundle, BundleBytes, BundleProgress, Hyperparameters, Limits, Message, RoundPlan, RoundResult,
+    TensorPayload, TransferChunk, Update, UpdateMetrics, DEFAULT_CHUNK_BYTES,
 };
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -21,6 +21,8 @@ use rand::SeedableRng;
 
 use crate::accumulator::WeightedSum;
 use crate::checkpoint::{CheckpointDir, DeviceRecord, ServerState, STATE_FORMAT};
+use crate::client_term::ClientTerm;
+use crate::diagnostics::Diagnostics;
 use crate::global_model::GlobalModel;
 use crate::job::JobArgs;
 use crate::metrics::{mean, MetricsLog, RoundRecord, Summary};
@@ -35,6 +37,7 @@ pub(crate) struct Server {
     job: JobArgs,
     out: PathBuf,
     strategy: Box<dyn Strategy>,
+    client_term: ClientTerm,
     global: GlobalModel,
     state: ServerState,
     checkpoints: CheckpointDir,
@@ -51,10 +54,14 @@ struct OpenRound {
     plan: RoundPlan,
     chunks: Vec<TransferChunk>,
     published_at: Instant,
-    transfers: HashMap<String, (Update, Reassembler)>,
+    transfers: HashMap<String, (Update, Bundle)>,
     reported: BTreeMap<String, (u64, UpdateMetrics)>,
     resends: HashMap<String, u32>,
     sum: WeightedSum,
+    /// SCAFFOLD's Σ Δc_i.
+    controls: Option<WeightedSum>,
+    diagnostics: Option<Diagnostics>,
+    diagnostics_bytes: u64,
     rejected: BTreeMap<String, String>,
     bytes_up: u64,
     bytes_down: u64,
@@ -110,9 +117,14 @@ impl Server {
                 strategy_state: strategy.state()?,
                 bytes_up: 0,
                 bytes_down: 0,
+                client_term_state: Vec::new(),
             };
             (global, state)
         };
+        let mut client_term = job.build_client_term(&global)?;
+        if !state.client_term_state.is_empty() {
+            client_term.restore(&state.client_term_state)?;
+        }
         let metrics = MetricsLog::open(out)?;
         link.subscribe(&topics.up_all())?;
         Ok(Self {
@@ -121,6 +133,7 @@ impl Server {
             job,
             out: out.to_path_buf(),
             strategy,
+            client_term,
             global,
             state,
             checkpoints,
@@ -223,7 +236,20 @@ impl Server {
         let _enter = span.enter();
         let started = Instant::now();
         let selected = self.select(round, evaluation);
-        let (manifest, chunks) = self.global.transfer(round, DEFAULT_CHUNK_BYTES);
+        let (manifest, mut chunks) = self.global.transfer(round, DEFAULT_CHUNK_BYTES);
+        let mut strategy = self.strategy.configure_round(round);
+        let mut sections = BTreeMap::new();
+        if !evaluation {
+            self.client_term.configure(&mut strategy);
+            if self.job.diagnostics {
+                strategy.insert(keys::DIAGNOSTICS.into(), 1.0);
+            }
+            for (name, payload) in self.client_term.plan_sections() {
+                let (m, c) = split_payload(&format!("r{round}/{name}"), &payload, DEFAULT_CHUNK_BYTES);
+                sections.insert(name, m);
+                chunks.extend(c);
+            }
+        }
         let plan = RoundPlan {
             round,
             selected: selected.clone(),
@@ -234,10 +260,12 @@ impl Server {
                 beta: self.job.beta,
                 batch_pairs: self.job.batch_pairs,
             },
-            strategy: self.strategy.configure_round(round),
+            strategy,
             model_spec: serde_json::to_string(&self.global.spec)?,
             global_model: manifest,
+            sections,
         };
+        let training = !evaluation;
         let mut open = OpenRound {
             round,
             evaluation,
@@ -249,6 +277,10 @@ impl Server {
             reported: BTreeMap::new(),
             resends: HashMap::new(),
             sum: WeightedSum::new(&self.global),
+            controls: (training && self.client_term.required_section().is_some())
+                .then(|| WeightedSum::new(&self.global)),
+            diagnostics: (training && self.job.diagnostics).then(|| Diagnostics::new(&self.global)),
+            diagnostics_bytes: 0,
             rejected: BTreeMap::new(),
             bytes_up: 0,
             bytes_down: 0,
@@ -304,6 +336,7 @@ impl Server {
             reward_acc: open.reported.iter().map(|(d, (_, m))| (d.clone(), m.reward_acc)).collect(),
             heldout_acc: open.reported.iter().filter_map(|(d, (_, m))| Some((d.clone(), m.heldout_acc?))).collect(),
             device_grad_norm: weighted(&|m| m.grad_norm),
+            diagnostics_bytes: open.diagnostics_bytes,
             bytes_up: open.bytes_up,
             bytes_down: open.bytes_down,
             rejected: open.rejected.clone(),
@@ -315,7 +348,15 @@ impl Server {
             if open.sum.count() >= self.job.quorum {
                 let local = self.job.lr * f64::from(self.job.local_steps.max(1));
                 record.grad_norm = open.sum.mean_norm() / local;
+                if let Some(report) = open.diagnostics.as_ref().map(Diagnostics::report) {
+                    record.grad_norm = report.grad_norm.unwrap_or(record.grad_norm);
+                    record.kappa2 = report.kappa2;
+                    record.layer_cos = report.layer_cos;
+                }
+                let previous = self.client_term.needs_previous_model().then(|| self.global.clone());
                 record.update_norm = self.strategy.aggregate(open.round, &mut self.global, &open.sum)?;
+                let registered = self.state.devices.len();
+                self.client_term.after_round(previous.as_ref(), &self.global, open.controls.as_ref(), registered);
             } else {
                 tracing::warn!(
                     updates = open.sum.count(),
@@ -326,6 +367,7 @@ impl Server {
             self.state.round = open.round;
             self.state.global_sha256 = self.global.sha256_hex();
             self.state.strategy_state = self.strategy.state()?;
+            self.state.client_term_state = self.client_term.state()?;
             self.checkpoints.save(&self.global, &self.state)?;
         }
         record.seconds = started.elapsed().as_secs_f64();
@@ -425,15 +467,31 @@ impl Server {
         if open.reported.contains_key(device) {
             return; // a duplicate delivery or a resend of an update already counted
         }
-        if open.transfers.get(device).is_some_and(|(_, r)| r.manifest() == &u.update) {
+        if open.transfers.get(device).is_some_and(|(_, b)| b.manifest() == &u.update) {
             return; // the same update announced again while its chunks are arriving
         }
-        if u.update.transfer != format!("r{}/{device}", open.round) {
-            return refuse(format!("transfer id `{}` is not r{}/{device}", u.update.transfer, open.round));
+        let transfer = format!("r{}/{device}", open.round);
+        if u.update.transfer != transfer {
+            return refuse(format!("transfer id `{}` is not {transfer}", u.update.transfer));
         }
-        match Reassembler::new(u.update.clone(), &self.limits) {
-            Ok(r) => {
-                open.transfers.insert(device.to_string(), (u, r));
+        let required = self.client_term.required_section().filter(|_| !open.evaluation);
+        for (name, m) in &u.sections {
+            let expected =
+                Some(name.as_str()) == required || (name == keys::DIAGNOSTIC_GRADIENT && open.diagnostics.is_some());
+            if !expected {
+                return refuse(format!("unexpected section `{name}`"));
+            }
+            if m.transfer != format!("{transfer}/{name}") {
+                return refuse(format!("section `{name}` has transfer id `{}`, not {transfer}/{name}", m.transfer));
+            }
+        }
+        if let Some(name) = required.filter(|n| !u.sections.contains_key(*n)) {
+            open.rejected.insert(device.to_string(), format!("no `{name}` section"));
+            return refuse(format!("the job runs {:?} but the update has no `{name}` section", self.client_term.kind));
+        }
+        match Bundle::new(u.update.clone(), &u.sections, &self.limits) {
+            Ok(b) => {
+                open.transfers.insert(device.to_string(), (u, b));
             }
             Err(e) => {
                 open.rejected.insert(device.to_string(), e.to_string());
@@ -443,35 +501,40 @@ impl Server {
     }
 
     fn accept_chunk(&mut self, open: &mut OpenRound, device: &str, chunk: TransferChunk) {
-        let Some((_, r)) = open.transfers.get_mut(device) else { return };
-        if chunk.transfer != r.manifest().transfer {
-            return;
-        }
+        let Some((_, bundle)) = open.transfers.get_mut(device) else { return };
         let len = chunk.bytes.len() as u64;
-        match r.accept(chunk) {
-            Ok(Progress::Accepted { .. }) => open.bytes_up += len,
-            Ok(Progress::Duplicate) => {}
-            Ok(Progress::Complete(bytes)) => {
+        let diagnostic = chunk.transfer.ends_with(&format!("/{}", keys::DIAGNOSTIC_GRADIENT));
+        match bundle.accept(chunk) {
+            Ok(BundleProgress::Foreign | BundleProgress::Duplicate) => {}
+            Ok(progress) => {
                 open.bytes_up += len;
-                let (update, _) = open.transfers.remove(device).expect("transfer present");
-                let verdict = TensorPayload::from_bytes(&bytes, &self.limits, true)
-                    .map_err(anyhow::Error::from)
-                    .and_then(|p| WeightedSum::check(&self.global, &p).map(|_| p))
-                    .and_then(|p| {
-                        if p.tensors.is_empty() && !open.evaluation {
-                            bail!("an empty update in a training round")
+                if diagnostic {
+                    open.diagnostics_bytes += len;
+                }
+                if let BundleProgress::Complete(bytes) = progress {
+                    let (update, _) = open.transfers.remove(device).expect("transfer present");
+                    match self.verify(open, &bytes) {
+                        Ok((delta, sections)) => {
+                            open.sum.add(&delta, update.pairs as f64);
+                            for (name, payload) in &sections {
+                                if name == keys::DIAGNOSTIC_GRADIENT {
+                                    if let Some(d) = open.diagnostics.as_mut() {
+                                        d.add_gradient(payload);
+                                    }
+                                } else if let Some(controls) = open.controls.as_mut() {
+                                    controls.add(payload, 1.0);
+                                }
+                            }
+                            if let Some(d) = open.diagnostics.as_mut() {
+                                d.add_update(&delta);
+                            }
+                            open.reported.insert(device.to_string(), (update.pairs, update.metrics));
+                            tracing::info!(%device, reported = open.reported.len(), of = open.selected.len(), "update accepted");
                         }
-                        Ok(p)
-                    });
-                match verdict {
-                    Ok(payload) => {
-                        open.sum.add(&payload, update.pairs as f64);
-                        open.reported.insert(device.to_string(), (update.pairs, update.metrics));
-                        tracing::info!(%device, reported = open.reported.len(), of = open.selected.len(), "update accepted");
-                    }
-                    Err(e) => {
-                        tracing::warn!(%device, error = %e, "update refused");
-                        open.rejected.insert(device.to_string(), e.to_string());
+                        Err(e) => {
+                            tracing::warn!(%device, error = %e, "update refused");
+                            open.rejected.insert(device.to_string(), e.to_string());
+                        }
                     }
                 }
             }
@@ -480,6 +543,26 @@ impl Server {
                 open.rejected.insert(device.to_string(), e.to_string());
             }
         }
+    }
+
+    /// Decodes and checks a complete update: the delta and every section must be shaped
+    /// like the shared set, and a training round's delta must not be empty.
+    fn verify(&self, open: &OpenRound, bytes: &BundleBytes) -> Result<(TensorPayload, Vec<(String, TensorPayload)>)> {
+        let delta = TensorPayload::from_bytes(&bytes.main, &self.limits, true)?;
+        WeightedSum::check(&self.global, &delta)?;
+        if delta.tensors.is_empty() && !open.evaluation {
+            bail!("an empty update in a training round")
+        }
+        let mut sections = Vec::new();
+        for (name, b) in &bytes.sections {
+            let payload = TensorPayload::from_bytes(b, &self.limits, true)?;
+            WeightedSum::check(&self.global, &payload).map_err(|e| anyhow::anyhow!("section `{name}`: {e}"))?;
+            if payload.tensors.is_empty() {
+                bail!("section `{name}` is empty");
+            }
+            sections.push((name.clone(), payload));
+        }
+        Ok((delta, sections))
     }
 }
 

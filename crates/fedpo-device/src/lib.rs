@@ -4,6 +4,7 @@
 //! [`participant::run`] joins a job over MQTT and, in every round that selects it, trains
 //! the received global model with its private adapter and uploads only the shared delta.
 
+mod local_terms;
 pub mod participant;
 mod round;
 mod state_dir;

@@ -15,8 +15,8 @@ use fedpo_data::{tokenize_pairs, PreferencePair, TokenizedPair};
 use fedpo_model::Gpt2Tokenizer;
 use fedpo_transport::{BrokerUrl, LinkEvent, LinkOptions, MqttLink, TlsFiles, Topics};
 use fedpo_wire::{
-    split_payload, DeviceBye, DeviceHello, Limits, Message, Progress as Chunks, Reassembler, RoundPlan, TensorPayload,
-    Update, WireDType, DEFAULT_CHUNK_BYTES,
+    split_payload, Bundle, BundleBytes, BundleProgress, DeviceBye, DeviceHello, Limits, Message, RoundPlan,
+    TensorPayload, Update, WireDType, DEFAULT_CHUNK_BYTES,
 };
 use thiserror::Error;
 
@@ -161,7 +161,7 @@ impl Participant {
     }
 
     fn event_loop(&mut self) -> Result<(), ParticipantError> {
-        let mut pending: Option<(RoundPlan, Reassembler)> = None;
+        let mut pending: Option<(RoundPlan, Bundle)> = None;
         let mut heard_aggregator = false;
         let mut last_hello = Instant::now();
         self.hello()?;
@@ -224,23 +224,21 @@ impl Participant {
                     {
                         continue; // the same plan again, e.g. resent for another device
                     }
-                    let reassembler = Reassembler::new(plan.global_model.clone(), &self.limits)?;
+                    let bundle = Bundle::new(plan.global_model.clone(), &plan.sections, &self.limits)?;
                     tracing::info!(
                         round = plan.round,
                         bytes = plan.global_model.bytes,
                         "selected; receiving the model"
                     );
-                    pending = Some((plan, reassembler));
+                    pending = Some((plan, bundle));
                 }
                 Message::Chunk(chunk) => {
-                    let Some((_, r)) = pending.as_mut() else { continue };
-                    if chunk.transfer != r.manifest().transfer {
-                        continue;
-                    }
-                    match r.accept(chunk) {
-                        Ok(Chunks::Complete(bytes)) => {
+                    let Some((_, bundle)) = pending.as_mut() else { continue };
+                    match bundle.accept(chunk) {
+                        Ok(BundleProgress::Complete(bytes)) => {
                             let (plan, _) = pending.take().expect("pending plan");
-                            self.summary.bytes_down += bytes.len() as u64;
+                            self.summary.bytes_down +=
+                                (bytes.main.len() + bytes.sections.values().map(Vec::len).sum::<usize>()) as u64;
                             // A round that cannot run (a model that does not fit, a
                             // non-finite loss) costs this round only: the device stays
                             // in the job and the aggregator's deadline moves on.
@@ -267,10 +265,15 @@ impl Participant {
         }
     }
 
-    fn round(&mut self, plan: &RoundPlan, bytes: &[u8]) -> Result<(), ParticipantError> {
+    fn round(&mut self, plan: &RoundPlan, bytes: &BundleBytes) -> Result<(), ParticipantError> {
         let span = tracing::info_span!("round", round = plan.round);
         let _enter = span.enter();
-        let global = TensorPayload::from_bytes(bytes, &self.limits, true)?;
+        let global = TensorPayload::from_bytes(&bytes.main, &self.limits, true)?;
+        let sections = bytes
+            .sections
+            .iter()
+            .map(|(name, b)| Ok((name.clone(), TensorPayload::from_bytes(b, &self.limits, true)?)))
+            .collect::<Result<_, ParticipantError>>()?;
         let sha = hex::encode(&plan.global_model.sha256);
         let mut progress = self.state.progress()?;
         let outcome = train_round(
@@ -278,6 +281,7 @@ impl Participant {
                 plan,
                 global: &global,
                 global_sha256: &sha,
+                sections: &sections,
                 train: &self.train,
                 heldout: &self.heldout,
                 pad_id: self.pad_id,
@@ -289,13 +293,21 @@ impl Participant {
         )?;
         let payload = TensorPayload::encode(&outcome.delta, WireDType::F32);
         let transfer = format!("r{}/{}", plan.round, self.cfg.id);
-        let (manifest, chunks) = split_payload(&transfer, &payload, DEFAULT_CHUNK_BYTES);
+        let (manifest, mut chunks) = split_payload(&transfer, &payload, DEFAULT_CHUNK_BYTES);
+        let mut sections = std::collections::BTreeMap::new();
+        for (name, tensors) in &outcome.sections {
+            let payload = TensorPayload::encode(tensors, WireDType::F32);
+            let (m, c) = split_payload(&format!("{transfer}/{name}"), &payload, DEFAULT_CHUNK_BYTES);
+            sections.insert(name.clone(), m);
+            chunks.extend(c);
+        }
         let update = Update {
             round: plan.round,
             device: self.cfg.id.clone(),
             pairs: self.train.len() as u64,
             metrics: outcome.metrics.clone(),
             update: manifest,
+            sections,
         };
         let sent = SentUpdate { global_sha256: sha, update, chunks };
         self.state.save_last_update(&sent)?;

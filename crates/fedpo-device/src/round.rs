@@ -1,6 +1,7 @@
 //! One local round: build the policy from the received global model and the private
 //! adapter, evaluate it, train E steps and compute the shared delta.
 
+use std::collections::BTreeMap;
 use std::time::Instant;
 
 use candle_core::{DType, Device};
@@ -11,8 +12,9 @@ use fedpo_train::{
     evaluate, load_or_score_pairs, score_pairs, DpoSettings, LocalTrainer, LossKind, OptimConfig, OptimKind,
     PreferenceSet,
 };
-use fedpo_wire::{RoundPlan, TensorPayload, UpdateMetrics};
+use fedpo_wire::{keys, RoundPlan, TensorPayload, UpdateMetrics};
 
+use crate::local_terms::{save_control, shared_anchor, terms_for};
 use crate::participant::ParticipantError;
 use crate::state_dir::{Progress, StateDir};
 
@@ -21,12 +23,16 @@ pub(crate) struct RoundOutcome {
     pub(crate) metrics: UpdateMetrics,
     /// The shared delta; empty in an evaluation-only round.
     pub(crate) delta: Vec<SharedTensor>,
+    /// Named extra uploads: SCAFFOLD's `Δc_i`, the diagnostic gradient.
+    pub(crate) sections: Vec<(String, Vec<SharedTensor>)>,
 }
 
 pub(crate) struct RoundInputs<'a> {
     pub(crate) plan: &'a RoundPlan,
     pub(crate) global: &'a TensorPayload,
     pub(crate) global_sha256: &'a str,
+    /// The plan's sections, decoded.
+    pub(crate) sections: &'a BTreeMap<String, TensorPayload>,
     pub(crate) train: &'a [TokenizedPair],
     pub(crate) heldout: &'a [TokenizedPair],
     pub(crate) pad_id: u32,
@@ -98,11 +104,25 @@ pub(crate) fn train_round(
     };
 
     let steps = plan.hyper.local_steps;
+    let mut sections = Vec::new();
+    let training = steps > 0;
+    let anchor = shared_anchor(&policy, &global);
+    let terms = if training {
+        terms_for(plan, input.sections, &policy, &anchor, state, input.compute)?
+    } else {
+        Default::default()
+    };
     let mut trainer = LocalTrainer::new(
         settings,
         OptimConfig::new(OptimKind::Sgd, plan.hyper.lr),
         input.seed ^ plan.round.wrapping_mul(0x9e37_79b9_7f4a_7c15),
-    )?;
+    )?
+    .with_terms(terms);
+    if training && plan.strategy.get(keys::DIAGNOSTICS) == Some(&1.0) {
+        // ∇F_i at the received model, over all training pairs, before any local step.
+        let gradient = trainer.full_gradient(&policy, &train)?;
+        sections.push((keys::DIAGNOSTIC_GRADIENT.to_string(), policy.shared_values(&gradient)?));
+    }
     let (mut loss_sum, mut acc_sum, mut grad_norm) = (0.0, 0.0, 0.0);
     for step in 0..steps {
         let m = trainer.step(&policy, &train)?;
@@ -125,6 +145,12 @@ pub(crate) fn train_round(
     if private_adapter && steps > 0 {
         save_adapter(&policy, &state.adapter_path())?;
     }
+    if let Some(scaffold) = &trainer.terms().scaffold {
+        if let Some((control, change)) = scaffold.finish()? {
+            save_control(state, &control)?;
+            sections.push((keys::SCAFFOLD_CONTROL_DELTA.to_string(), policy.shared_values(&change)?));
+        }
+    }
     let delta = if steps == 0 { Vec::new() } else { policy.shared_delta(&global)? };
     Ok(RoundOutcome {
         metrics: UpdateMetrics {
@@ -135,5 +161,6 @@ pub(crate) fn train_round(
             seconds: started.elapsed().as_secs_f64(),
         },
         delta,
+        sections,
     })
 }

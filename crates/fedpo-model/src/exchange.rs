@@ -127,6 +127,32 @@ impl Policy {
     }
 }
 
+impl Policy {
+    /// Tensors shaped like the shared set (a gradient, a control variate), ready for the
+    /// wire. Only names of shared parameters are taken, in parameter order; anything else
+    /// in `values` (an adapter's gradient) is left out, so it cannot leave the device.
+    pub fn shared_values(&self, values: &HashMap<String, Tensor>) -> Result<Vec<SharedTensor>> {
+        let mut out = Vec::new();
+        for p in self.params.with_role(ParamRole::Shared) {
+            let Some(t) = values.get(&p.name) else { continue };
+            if t.dims() != p.tensor().dims() {
+                return Err(ModelError::ShapeMismatch {
+                    name: p.name.clone(),
+                    expected: p.tensor().dims().to_vec(),
+                    found: t.dims().to_vec(),
+                });
+            }
+            out.push(SharedTensor {
+                name: p.name.clone(),
+                shape: t.dims().to_vec(),
+                values: t.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?,
+                role: ParamRole::Shared,
+            });
+        }
+        Ok(out)
+    }
+}
+
 impl TensorSource {
     /// Tensors received over the wire, as a source to build a policy from.
     pub fn from_wire(tensors: &[WireTensor], description: &str, device: &Device) -> Result<Self> {

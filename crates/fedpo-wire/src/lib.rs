@@ -6,12 +6,15 @@
 //! unknown protocol versions, shapes that disagree with their bytes and (for updates)
 //! non-finite values, each with an error naming what was wrong.
 
+mod bundle;
 mod chunk;
 mod error;
+pub mod keys;
 mod limits;
 mod message;
 mod tensor;
 
+pub use bundle::{check_sections, Bundle, BundleBytes, BundleProgress, MAX_SECTIONS};
 pub use chunk::{sha256, split_payload, Progress, Reassembler};
 pub use error::{Result, WireError};
 pub use limits::{Limits, DEFAULT_CHUNK_BYTES};

@@ -96,6 +96,10 @@ pub struct RoundPlan {
     pub model_spec: String,
     /// The global model that follows as chunks.
     pub global_model: Manifest,
+    /// Named extra transfers the algorithm needs (e.g. `scaffold.control`,
+    /// `fedga.reference`), each followed by its own chunks.
+    #[serde(default)]
+    pub sections: BTreeMap<String, Manifest>,
 }
 
 /// What a device measured in its local round.
@@ -126,6 +130,10 @@ pub struct Update {
     pub metrics: UpdateMetrics,
     /// The shared-parameter delta that follows.
     pub update: Manifest,
+    /// Named extra transfers (e.g. `scaffold.control_delta`, `diagnostics.gradient`),
+    /// each followed by its own chunks.
+    #[serde(default)]
+    pub sections: BTreeMap<String, Manifest>,
 }
 
 /// A slice of a transfer.
@@ -277,6 +285,9 @@ impl Message {
                 check_finite("lr", p.hyper.lr)?;
                 check_finite("beta", p.hyper.beta)?;
                 p.strategy.values().try_for_each(|v| check_finite("strategy", *v))?;
+                p.strategy.keys().try_for_each(|k| check_name("strategy key", k, limits))?;
+                crate::bundle::check_sections(&p.global_model, &p.sections, limits)?;
+                p.sections.values().try_for_each(|m| m.validate(limits))?;
                 if p.model_spec.len() > limits.max_spec_bytes {
                     return Err(WireError::InvalidField {
                         field: "model_spec",
@@ -289,6 +300,8 @@ impl Message {
                 check_name("device", &u.device, limits)?;
                 check_finite("train_loss", u.metrics.train_loss)?;
                 check_finite("grad_norm", u.metrics.grad_norm)?;
+                crate::bundle::check_sections(&u.update, &u.sections, limits)?;
+                u.sections.values().try_for_each(|m| m.validate(limits))?;
                 u.update.validate(limits)
             }
             Self::Chunk(c) => {

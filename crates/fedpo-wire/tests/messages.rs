@@ -60,10 +60,18 @@ fn arb_message() -> impl Strategy<Value = Message> {
                     strategy,
                     model_spec: r#"{"config":{}}"#.into(),
                     global_model,
+                    sections: Default::default(),
                 })
             }),
         (any::<u64>(), name(), any::<u64>(), arb_metrics(), arb_manifest()).prop_map(
-            |(round, device, pairs, metrics, update)| Message::Update(Update { round, device, pairs, metrics, update })
+            |(round, device, pairs, metrics, update)| Message::Update(Update {
+                round,
+                device,
+                pairs,
+                metrics,
+                update,
+                sections: Default::default()
+            })
         ),
         (name(), 1u32..1000, proptest::collection::vec(any::<u8>(), 0..2048)).prop_flat_map(
             |(transfer, count, bytes)| {
@@ -130,6 +138,7 @@ fn manifest_announcing_more_than_the_transfer_limit_is_refused() {
         pairs: 1,
         metrics: UpdateMetrics { train_loss: 0.5, reward_acc: 0.5, heldout_acc: None, grad_norm: 1.0, seconds: 1.0 },
         update: manifest("r1/d", 2 << 20, 2),
+        sections: Default::default(),
     });
     let err = Message::decode(&msg.encode(), &limits).unwrap_err();
     assert!(matches!(err, WireError::TransferTooLarge { size, max } if size == 2 << 20 && max == 1 << 20), "{err}");
@@ -144,6 +153,7 @@ fn plan_with_non_finite_learning_rate_is_refused() {
         strategy: BTreeMap::new(),
         model_spec: String::new(),
         global_model: manifest("r1/global", 4, 1),
+        sections: Default::default(),
     });
     let err = Message::decode(&msg.encode(), &Limits::default()).unwrap_err();
     assert!(err.to_string().contains("lr"), "{err}");
@@ -158,6 +168,7 @@ fn plan_with_an_oversized_model_spec_is_refused_naming_the_field() {
         strategy: BTreeMap::new(),
         model_spec: "x".repeat(100 << 10),
         global_model: manifest("r1/global", 4, 1),
+        sections: Default::default(),
     });
     let err = Message::decode(&msg.encode(), &Limits::default()).unwrap_err().to_string();
     assert!(err.contains("model_spec") && err.contains("65536"), "{err}");

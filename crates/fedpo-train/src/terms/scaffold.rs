@@ -54,7 +54,7 @@ impl Scaffold {
     }
 
     /// Records one step's raw DPO gradient (only the shared parameters count).
-    pub(crate) fn observe(&mut self, raw: &Grads) -> Result<()> {
+    pub fn observe(&mut self, raw: &Grads) -> Result<()> {
         let shared: Grads =
             raw.iter().filter(|(n, _)| self.correction.contains_key(*n)).map(|(n, g)| (n.clone(), g.clone())).collect();
         add_scaled(&mut self.gradient_sum, &shared, 1.0)?;
@@ -63,7 +63,7 @@ impl Scaffold {
     }
 
     /// Adds `c − c_i` to the step's gradient.
-    pub(crate) fn apply(&self, grads: &mut Grads) -> Result<()> {
+    pub fn apply(&self, grads: &mut Grads) -> Result<()> {
         add_scaled(grads, &self.correction, 1.0)
     }
 

@@ -1,0 +1,166 @@
+//! Several transfers that belong to one message and complete together.
+//!
+//! A plan carries the global model and, for some algorithms, named sections (SCAFFOLD's
+//! server control variate, FedGA's reference direction); an update carries the shared
+//! delta and, likewise, named sections (the control-variate change, the diagnostic
+//! gradient). Each section is its own transfer with its own manifest, never a slice of
+//! another tensor list, so a receiver can check every section's tensors by name.
+
+use std::collections::BTreeMap;
+
+use crate::chunk::{Progress, Reassembler};
+use crate::error::{Result, WireError};
+use crate::limits::Limits;
+use crate::message::{Manifest, TransferChunk};
+
+/// The most sections one message may carry.
+pub const MAX_SECTIONS: usize = 8;
+
+/// The verified bytes of a completed bundle.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BundleBytes {
+    /// The main transfer (the global model, the delta).
+    pub main: Vec<u8>,
+    /// Each section's bytes, by section name.
+    pub sections: BTreeMap<String, Vec<u8>>,
+}
+
+/// What accepting a chunk did to a bundle.
+#[derive(Debug, PartialEq)]
+pub enum BundleProgress {
+    /// The chunk belongs to none of the bundle's transfers.
+    Foreign,
+    /// Stored.
+    Accepted,
+    /// Already had it.
+    Duplicate,
+    /// Every transfer is complete and verified.
+    Complete(BundleBytes),
+}
+
+/// Collects a main transfer and its named sections.
+pub struct Bundle {
+    main: Reassembler,
+    sections: BTreeMap<String, Reassembler>,
+    done: BTreeMap<String, Vec<u8>>,
+    main_done: Option<Vec<u8>>,
+}
+
+/// Checks a message's section table: bounded, named within limits, ids distinct.
+pub fn check_sections(main: &Manifest, sections: &BTreeMap<String, Manifest>, limits: &Limits) -> Result<()> {
+    if sections.len() > MAX_SECTIONS {
+        return Err(WireError::InvalidField {
+            field: "sections",
+            reason: format!("{} sections exceed the limit of {MAX_SECTIONS}", sections.len()),
+        });
+    }
+    for (name, m) in sections {
+        if name.is_empty() || name.len() > limits.max_name_len {
+            return Err(WireError::InvalidField {
+                field: "section name",
+                reason: format!("`{name}` is empty or too long"),
+            });
+        }
+        if m.transfer == main.transfer || sections.iter().any(|(other, o)| other != name && o.transfer == m.transfer) {
+            return Err(WireError::InvalidField {
+                field: "sections",
+                reason: format!("section `{name}` reuses transfer id `{}`", m.transfer),
+            });
+        }
+    }
+    Ok(())
+}
+
+impl Bundle {
+    /// Starts collecting after checking every manifest against the limits.
+    pub fn new(main: Manifest, sections: &BTreeMap<String, Manifest>, limits: &Limits) -> Result<Self> {
+        check_sections(&main, sections, limits)?;
+        let sections = sections
+            .iter()
+            .map(|(name, m)| Ok((name.clone(), Reassembler::new(m.clone(), limits)?)))
+            .collect::<Result<_>>()?;
+        Ok(Self { main: Reassembler::new(main, limits)?, sections, done: BTreeMap::new(), main_done: None })
+    }
+
+    /// The main transfer's manifest.
+    pub fn manifest(&self) -> &Manifest {
+        self.main.manifest()
+    }
+
+    /// Routes a chunk to its transfer. A transfer whose bytes fail their hash starts over
+    /// and reports the error; the others keep what they have.
+    pub fn accept(&mut self, chunk: TransferChunk) -> Result<BundleProgress> {
+        let (progress, section) = if chunk.transfer == self.main.manifest().transfer {
+            (self.main.accept(chunk)?, None)
+        } else if let Some((name, r)) = self.sections.iter_mut().find(|(_, r)| r.manifest().transfer == chunk.transfer)
+        {
+            (r.accept(chunk)?, Some(name.clone()))
+        } else {
+            return Ok(BundleProgress::Foreign);
+        };
+        match progress {
+            Progress::Duplicate => return Ok(BundleProgress::Duplicate),
+            Progress::Accepted { .. } => return Ok(BundleProgress::Accepted),
+            Progress::Complete(bytes) => match section {
+                Some(name) => {
+                    self.done.insert(name, bytes);
+                }
+                None => self.main_done = Some(bytes),
+            },
+        }
+        if self.main_done.is_some() && self.done.len() == self.sections.len() {
+            let main = self.main_done.take().unwrap_or_default();
+            return Ok(BundleProgress::Complete(BundleBytes { main, sections: std::mem::take(&mut self.done) }));
+        }
+        Ok(BundleProgress::Accepted)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::chunk::split_payload;
+    use crate::tensor::{TensorPayload, ToWire, WireDType};
+
+    struct T(&'static str, Vec<f32>);
+    impl ToWire for T {
+        fn wire_name(&self) -> &str {
+            self.0
+        }
+        fn wire_shape(&self) -> Vec<u64> {
+            vec![self.1.len() as u64]
+        }
+        fn wire_values(&self) -> &[f32] {
+            &self.1
+        }
+    }
+
+    #[test]
+    fn bundle_completes_only_when_main_and_every_section_arrived_in_any_order() {
+        let payload = |v: f32| TensorPayload::encode(&[T("a", vec![v; 300])], WireDType::F32);
+        let (main, mut chunks) = split_payload("r1/dev", &payload(1.0), 500);
+        let (grad, grad_chunks) = split_payload("r1/dev/grad", &payload(2.0), 500);
+        chunks.extend(grad_chunks);
+        chunks.reverse();
+        let sections = BTreeMap::from([("diagnostics.gradient".to_string(), grad)]);
+        let mut bundle = Bundle::new(main, &sections, &Limits::default()).unwrap();
+        let foreign = TransferChunk { transfer: "r1/other".into(), index: 0, count: 1, bytes: vec![] };
+        assert_eq!(bundle.accept(foreign).unwrap(), BundleProgress::Foreign);
+        let last = chunks.pop().unwrap();
+        for c in chunks.clone() {
+            assert_eq!(bundle.accept(c).unwrap(), BundleProgress::Accepted);
+        }
+        assert_eq!(bundle.accept(chunks[0].clone()).unwrap(), BundleProgress::Duplicate);
+        let BundleProgress::Complete(bytes) = bundle.accept(last).unwrap() else { panic!("not complete") };
+        assert_eq!(bytes.main, payload(1.0).to_bytes());
+        assert_eq!(bytes.sections["diagnostics.gradient"], payload(2.0).to_bytes());
+    }
+
+    #[test]
+    fn sections_reusing_a_transfer_id_are_refused_by_name() {
+        let (main, _) = split_payload("r1/dev", &TensorPayload::default(), 500);
+        let sections = BTreeMap::from([("scaffold.control_delta".to_string(), main.clone())]);
+        let err = Bundle::new(main, &sections, &Limits::default()).err().unwrap().to_string();
+        assert!(err.contains("scaffold.control_delta") && err.contains("r1/dev"), "{err}");
+    }
+}
