@@ -32,7 +32,7 @@ pub(crate) struct Diagnostics {
 pub(crate) struct DiagnosticsReport {
     /// `‖mean_i g_i‖`, if any gradient arrived.
     pub(crate) grad_norm: Option<f64>,
-    /// `mean_i ‖g_i − ḡ‖²`, if any gradient arrived.
+    /// `mean_i ‖g_i − ḡ‖²`, if two gradients or more arrived.
     pub(crate) kappa2: Option<f64>,
     /// Mean pairwise cosine of device updates, per layer with two updates or more.
     pub(crate) layer_cos: BTreeMap<String, f64>,
@@ -52,15 +52,19 @@ impl Diagnostics {
 
     /// Adds a device's gradient (checked against the shared set beforehand).
     pub(crate) fn add_gradient(&mut self, gradient: &TensorPayload) {
+        // The device's own ‖g_i‖² first, then one addition: the total does not depend on
+        // the order devices report in beyond the rounding of that one sum.
+        let mut squared_norm = 0.0;
         for t in &gradient.tensors {
             if let Some(sum) = self.gradient_sum.get_mut(t.name()) {
                 for (s, v) in sum.iter_mut().zip(t.values()) {
                     let v = f64::from(v);
                     *s += v;
-                    self.squared_norms += v * v;
+                    squared_norm += v * v;
                 }
             }
         }
+        self.squared_norms += squared_norm;
         self.gradients += 1;
     }
 
@@ -96,7 +100,10 @@ impl Diagnostics {
             let n = self.gradients as f64;
             let mean_sq: f64 = self.gradient_sum.values().flatten().map(|s| (s / n) * (s / n)).sum();
             report.grad_norm = Some(mean_sq.sqrt());
-            report.kappa2 = Some((self.squared_norms / n - mean_sq).max(0.0));
+            // One participant has no diversity to measure (only rounding would show).
+            if self.gradients >= 2 {
+                report.kappa2 = Some((self.squared_norms / n - mean_sq).max(0.0));
+            }
         }
         let mut layer_sq: BTreeMap<String, f64> = BTreeMap::new();
         for (name, sum) in &self.unit_sums {

@@ -5,6 +5,7 @@
 //! ```text
 //! fedpo-aggregator simulate --devices 5 --rounds 20 --method pfeddpo --out runs/demo
 //! fedpo-aggregator serve --broker mqtt://broker:1883 --job lab --min-devices 10 --out runs/lab
+//! fedpo-aggregator experiment experiments/smoke.toml
 //! ```
 
 mod accumulator;
@@ -13,6 +14,7 @@ mod broker_args;
 mod checkpoint;
 mod client_term;
 mod diagnostics;
+mod experiment;
 mod global_model;
 mod job;
 mod method;
@@ -42,6 +44,8 @@ enum Command {
     Serve(ServeArgs),
     /// Simulate a fleet on this machine: embedded broker, aggregator and N devices.
     Simulate(simulate::SimulateArgs),
+    /// Run a grid of simulations from a TOML file; write CSVs, a summary table and figures.
+    Experiment(experiment::ExperimentArgs),
     /// Redraw loss.png, accuracy.png and grad_norm.png from a job's metrics.jsonl.
     Plot {
         /// The job's output directory.
@@ -77,6 +81,16 @@ fn serve(args: ServeArgs) -> Result<()> {
     Ok(())
 }
 
+/// Checks that a command line parses and that its job settings are valid, without
+/// running it.
+pub(crate) fn check_command_line(args: Vec<String>) -> Result<()> {
+    match Cli::try_parse_from(args)?.command {
+        Command::Simulate(args) => args.job.validate(),
+        Command::Serve(args) => args.job.validate(),
+        _ => Ok(()),
+    }
+}
+
 /// Parses a `fedpo-aggregator` command line (program name first) and runs it.
 pub fn run_cli<I, T>(args: I) -> Result<()>
 where
@@ -86,6 +100,7 @@ where
     match Cli::try_parse_from(args)?.command {
         Command::Serve(args) => serve(args),
         Command::Simulate(args) => simulate::run(args).map(|_| ()),
+        Command::Experiment(args) => experiment::run(args),
         Command::Plot { out } => {
             let records = plots::read_records(&out)?;
             let method = records.first().map_or("fedpo".to_string(), |r| r.method.clone());

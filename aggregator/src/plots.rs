@@ -22,23 +22,52 @@ fn ensure_font() {
 }
 
 /// One line on a chart.
-struct Series {
-    label: String,
-    points: Vec<(f64, f64)>,
-    color: RGBColor,
-    thin: bool,
+pub(crate) struct Series {
+    pub(crate) label: String,
+    pub(crate) points: Vec<(f64, f64)>,
+    pub(crate) color: RGBColor,
+    /// Thin, faint and left out of the legend (per-device lines, ± std bounds).
+    pub(crate) thin: bool,
 }
 
-fn line_chart(path: &Path, title: &str, y_label: &str, series: &[Series]) -> Result<()> {
+/// Distinct colours for series, in order.
+pub(crate) const PALETTE: [RGBColor; 8] = [
+    RGBColor(214, 39, 40),
+    RGBColor(31, 119, 180),
+    DARK_GREEN,
+    RGBColor(148, 103, 189),
+    RGBColor(255, 127, 14),
+    RGBColor(23, 190, 207),
+    RGBColor(140, 86, 75),
+    RGBColor(0, 0, 0),
+];
+
+/// An x tick label: integers only when every x is one (rounds, ranks), else up to two
+/// decimals without trailing zeros.
+fn tick(x: f64, integer_x: bool) -> String {
+    if integer_x {
+        return if (x - x.round()).abs() < 1e-6 { format!("{}", x.round()) } else { String::new() };
+    }
+    let s = format!("{x:.2}");
+    s.trim_end_matches('0').trim_end_matches('.').to_string()
+}
+
+pub(crate) fn line_chart(path: &Path, title: &str, x_desc: &str, y_label: &str, series: &[Series]) -> Result<()> {
     ensure_font();
     let all: Vec<(f64, f64)> = series.iter().flat_map(|s| s.points.iter().copied()).collect();
     if all.is_empty() {
         return Ok(());
     }
-    let (x_max, y_min, y_max) = all
-        .iter()
-        .fold((1.0f64, f64::INFINITY, f64::NEG_INFINITY), |(x, lo, hi), p| (x.max(p.0), lo.min(p.1), hi.max(p.1)));
+    let all: Vec<(f64, f64)> = all.into_iter().filter(|p| p.0.is_finite() && p.1.is_finite()).collect();
+    if all.is_empty() {
+        return Ok(());
+    }
+    let (x_min, x_max, y_min, y_max) =
+        all.iter().fold((f64::INFINITY, f64::NEG_INFINITY, f64::INFINITY, f64::NEG_INFINITY), |(a, b, lo, hi), p| {
+            (a.min(p.0), b.max(p.0), lo.min(p.1), hi.max(p.1))
+        });
     let pad = ((y_max - y_min) * 0.08).max(1e-3);
+    let integer_x = all.iter().all(|p| p.0.fract() == 0.0);
     let root = BitMapBackend::new(path, (900, 540)).into_drawing_area();
     let err = |e: &dyn std::fmt::Display| anyhow!("plotting {}: {e}", path.display());
     root.fill(&WHITE).map_err(|e| err(&e))?;
@@ -47,12 +76,12 @@ fn line_chart(path: &Path, title: &str, y_label: &str, series: &[Series]) -> Res
         .margin(16)
         .x_label_area_size(44)
         .y_label_area_size(64)
-        .build_cartesian_2d(0.5f64..x_max + 0.5, (y_min - pad)..(y_max + pad))
+        .build_cartesian_2d(x_min - 0.5..x_max + 0.5, (y_min - pad)..(y_max + pad))
         .map_err(|e| err(&e))?;
     chart
         .configure_mesh()
-        .x_desc("round")
-        .x_label_formatter(&|x| format!("{x:.0}"))
+        .x_desc(x_desc)
+        .x_label_formatter(&|x| tick(*x, integer_x))
         .light_line_style(WHITE)
         .y_desc(y_label)
         .label_style(("sans-serif", 15))
@@ -89,6 +118,7 @@ pub(crate) fn write_plots(out: &Path, method: &str, records: &[RoundRecord]) -> 
     line_chart(
         &out.join("loss.png"),
         &format!("{method}: training DPO loss"),
+        "round",
         "loss",
         &[Series { label: "train loss".into(), points: points(&|r| Some(r.train_loss)), color: RED, thin: false }],
     )?;
@@ -118,12 +148,14 @@ pub(crate) fn write_plots(out: &Path, method: &str, records: &[RoundRecord]) -> 
     line_chart(
         &out.join("accuracy.png"),
         &format!("{method}: reward accuracy (thin: each device, held-out)"),
+        "round",
         "accuracy",
         &acc,
     )?;
     line_chart(
         &out.join("grad_norm.png"),
-        &format!("{method}: global (pseudo-)gradient norm"),
+        &format!("{method}: global gradient norm"),
+        "round",
         "‖g‖",
         &[Series { label: "grad norm".into(), points: points(&|r| Some(r.grad_norm)), color: MAGENTA, thin: false }],
     )
