@@ -15,11 +15,11 @@ use std::collections::BTreeMap;
 
 use anyhow::{bail, Context, Result};
 use fedpo_train::terms::layer_of;
-use fedpo_wire::{keys, TensorPayload, ToWire, WireDType};
+use fedpo_wire::{keys, TensorPayload, WireDType};
 use serde::{Deserialize, Serialize};
 
 use crate::accumulator::WeightedSum;
-use crate::global_model::GlobalModel;
+use crate::global_model::{GlobalModel, GlobalTensor};
 
 /// Which term devices add to their local objective.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
@@ -46,30 +46,16 @@ pub(crate) struct FedgaSettings {
     pub(crate) weights: BTreeMap<String, f64>,
 }
 
-/// A vector shaped like the shared set.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub(crate) struct SharedVector {
-    name: String,
-    shape: Vec<usize>,
-    values: Vec<f32>,
-}
-
-impl ToWire for SharedVector {
-    fn wire_name(&self) -> &str {
-        &self.name
-    }
-    fn wire_shape(&self) -> Vec<u64> {
-        self.shape.iter().map(|&d| d as u64).collect()
-    }
-    fn wire_values(&self) -> &[f32] {
-        &self.values
-    }
-}
-
-fn zeros_like_shared(global: &GlobalModel) -> Vec<SharedVector> {
+/// A zero vector shaped like the shared set.
+fn zeros_like_shared(global: &GlobalModel) -> Vec<GlobalTensor> {
     global
         .shared()
-        .map(|t| SharedVector { name: t.name.clone(), shape: t.shape.clone(), values: vec![0.0; t.values.len()] })
+        .map(|t| GlobalTensor {
+            name: t.name.clone(),
+            shape: t.shape.clone(),
+            values: vec![0.0; t.values.len()],
+            shared: true,
+        })
         .collect()
 }
 
@@ -80,9 +66,9 @@ pub(crate) struct ClientTerm {
     pub(crate) mu: f64,
     pub(crate) fedga: FedgaSettings,
     /// SCAFFOLD's `c`.
-    control: Option<Vec<SharedVector>>,
+    control: Option<Vec<GlobalTensor>>,
     /// FedGA's `r` (none before the first global step).
-    reference: Option<Vec<SharedVector>>,
+    reference: Option<Vec<GlobalTensor>>,
 }
 
 /// Resolves `h.*.attn=1,wte=0` against the model's layers; later patterns override
@@ -233,7 +219,6 @@ mod tests {
     use fedpo_train::{OptimConfig, OptimKind, Optimizer};
 
     use super::*;
-    use crate::global_model::GlobalTensor;
     use crate::strategy::{FedAvg, Strategy};
 
     /// Client i minimises ½·Σ_j a_ij·(x_j − b_ij)²: heterogeneous curvatures and optima.

@@ -13,8 +13,9 @@ use fedpo_model::io::{read_safetensors, write_safetensors};
 use fedpo_model::{ParamRole, Policy, PolicySpec};
 use fedpo_wire::{sha256, split_payload, Manifest, TensorPayload, ToWire, TransferChunk, WireDType};
 
-/// One tensor of the global model.
-#[derive(Debug, Clone, PartialEq)]
+/// One tensor of the global model (also the shape of server-side vectors such as
+/// SCAFFOLD's control variate).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub(crate) struct GlobalTensor {
     pub(crate) name: String,
     pub(crate) shape: Vec<usize>,

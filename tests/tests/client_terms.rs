@@ -5,13 +5,9 @@
 mod common;
 
 use std::path::Path;
-use std::sync::atomic::AtomicBool;
-use std::sync::Arc;
 
-use candle_core::Device;
 use common::{decode_rounds, Wiretap};
 use fedpo_data::synthetic::{generate_device, SyntheticSpec};
-use fedpo_device::participant::{self, ParticipantConfig};
 use fedpo_transport::{BrokerUrl, EmbeddedBroker};
 use fedpo_wire::{keys, Message};
 
@@ -19,26 +15,13 @@ use fedpo_wire::{keys, Message};
 fn start_devices(url: &BrokerUrl, job: &str, dir: &Path, same_data: bool) -> Vec<std::thread::JoinHandle<()>> {
     // Four pairs, the batch size serve_args sets: every step sees all of a device's pairs.
     let spec = SyntheticSpec { heterogeneity: 1.0, train_pairs: 4, heldout_pairs: 4, seed: 0 };
-    (0..3)
+    let shards = (0..3)
         .map(|k| {
             let data = generate_device(&spec, if same_data { 0 } else { k }).unwrap();
-            let cfg = ParticipantConfig {
-                broker: url.clone(),
-                tls: Default::default(),
-                job: job.into(),
-                id: format!("dev-{k}"),
-                state_dir: dir.join(format!("dev-{k}")),
-                train: data.train,
-                heldout: data.heldout,
-                max_len: 48,
-                compute: Device::Cpu,
-                stop: Arc::new(AtomicBool::new(false)),
-            };
-            std::thread::spawn(move || {
-                participant::run(cfg).expect("device runs to the end of the job");
-            })
+            (data.train, data.heldout)
         })
-        .collect()
+        .collect();
+    common::start_devices(url, job, dir, shards, 48)
 }
 
 /// Runs a 3-device job and returns its metrics records and what the wire carried.

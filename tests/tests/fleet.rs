@@ -4,13 +4,10 @@ mod common;
 
 use std::collections::{BTreeMap, HashSet};
 use std::path::Path;
-use std::sync::atomic::AtomicBool;
-use std::sync::Arc;
 
 use candle_core::Device;
 use common::{decode_rounds, tensor_values, Wiretap};
 use fedpo_data::synthetic::{generate_device, SyntheticSpec};
-use fedpo_device::participant::{self, ParticipantConfig};
 use fedpo_model::io::read_safetensors;
 use fedpo_transport::{BrokerUrl, EmbeddedBroker};
 
@@ -19,27 +16,14 @@ const PAIRS: [usize; 3] = [6, 10, 16];
 
 fn start_devices(url: &BrokerUrl, job: &str, dir: &Path) -> Vec<std::thread::JoinHandle<()>> {
     let spec = SyntheticSpec { heterogeneity: 1.0, train_pairs: 16, heldout_pairs: 4, seed: 0 };
-    (0..PAIRS.len())
+    let shards = (0..PAIRS.len())
         .map(|k| {
             let mut data = generate_device(&spec, k).unwrap();
             data.train.truncate(PAIRS[k]);
-            let cfg = ParticipantConfig {
-                broker: url.clone(),
-                tls: Default::default(),
-                job: job.into(),
-                id: format!("dev-{k}"),
-                state_dir: dir.join(format!("dev-{k}")),
-                train: data.train,
-                heldout: data.heldout,
-                max_len: 64,
-                compute: Device::Cpu,
-                stop: Arc::new(AtomicBool::new(false)),
-            };
-            std::thread::spawn(move || {
-                participant::run(cfg).expect("device runs to the end of the job");
-            })
+            (data.train, data.heldout)
         })
-        .collect()
+        .collect();
+    common::start_devices(url, job, dir, shards, 64)
 }
 
 /// Little-endian bytes of every pair of adjacent non-zero values of a tensor.

@@ -10,6 +10,9 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use candle_core::Device;
+use fedpo_data::PreferencePair;
+use fedpo_device::participant::{self, ParticipantConfig};
 use fedpo_transport::{BrokerUrl, Delivery, LinkEvent, LinkOptions, MqttLink};
 use fedpo_wire::{Limits, Manifest, Message, Progress, Reassembler, RoundPlan, TensorPayload, Update};
 
@@ -129,4 +132,36 @@ pub fn serve_args(url: &BrokerUrl, job: &str, out: &std::path::Path, extra: &[&s
     args.push(out.to_str().unwrap().to_string());
     args.extend(extra.iter().map(|s| s.to_string()));
     args
+}
+
+/// Starts one in-process device per `(train, heldout)` shard, ids `dev-0`, `dev-1`, …,
+/// state under `dir/dev-K`; each thread panics if its participant fails.
+pub fn start_devices(
+    url: &BrokerUrl,
+    job: &str,
+    dir: &std::path::Path,
+    shards: Vec<(Vec<PreferencePair>, Vec<PreferencePair>)>,
+    max_len: usize,
+) -> Vec<JoinHandle<()>> {
+    shards
+        .into_iter()
+        .enumerate()
+        .map(|(k, (train, heldout))| {
+            let cfg = ParticipantConfig {
+                broker: url.clone(),
+                tls: Default::default(),
+                job: job.into(),
+                id: format!("dev-{k}"),
+                state_dir: dir.join(format!("dev-{k}")),
+                train,
+                heldout,
+                max_len,
+                compute: Device::Cpu,
+                stop: Arc::new(AtomicBool::new(false)),
+            };
+            std::thread::spawn(move || {
+                participant::run(cfg).expect("device runs to the end of the job");
+            })
+        })
+        .collect()
 }
