@@ -100,7 +100,7 @@ fn final_against_axis(
         let values: std::collections::BTreeSet<String> = cells.iter().map(|c| c.2[0].spec.setting(axis)).collect();
         values.len() > 1 && values.iter().all(|v| v.parse::<f64>().is_ok())
     };
-    let Some(axis) = spec.cell.iter().map(|(k, _)| k.as_str()).filter(|a| numeric(a)).last() else {
+    let Some(axis) = spec.cell.iter().map(|(k, _)| k.as_str()).rfind(|a| numeric(a)) else {
         return Ok(None);
     };
     let mut lines: BTreeMap<String, Vec<(f64, f64, f64)>> = BTreeMap::new();

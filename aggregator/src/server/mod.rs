@@ -4,6 +4,7 @@
 //! updates until every selected device has reported, every missing one has gone offline,
 //! or the deadline passes; fold each verified update into a streaming weighted sum,
 //! let the strategy apply it, checkpoint, log the metrics and announce the result.
+//! Taking updates in (checks, chunks, verification) lives in [`intake`].
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
@@ -12,8 +13,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Result};
 use fedpo_transport::{LinkEvent, MqttLink, Topics};
 use fedpo_wire::{
-    keys, split_payload, Bundle, BundleBytes, BundleProgress, Hyperparameters, Limits, Message, RoundPlan, RoundResult,
-    TensorPayload, TransferChunk, Update, UpdateMetrics, DEFAULT_CHUNK_BYTES,
+    keys, split_payload, Bundle, Hyperparameters, Limits, Message, RoundPlan, RoundResult, TransferChunk, Update,
+    UpdateMetrics, DEFAULT_CHUNK_BYTES,
 };
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -27,6 +28,8 @@ use crate::global_model::GlobalModel;
 use crate::job::JobArgs;
 use crate::metrics::{mean, MetricsLog, RoundRecord, Summary};
 use crate::strategy::Strategy;
+
+mod intake;
 
 /// Resend the model to a device that asks again at most this often per round.
 const MAX_RESENDS: u32 = 3;
@@ -451,118 +454,6 @@ impl Server {
             }
         }
         Ok(())
-    }
-
-    fn start_update(&mut self, open: &mut OpenRound, device: &str, u: Update) {
-        let refuse = |why: String| tracing::warn!(%device, round = u.round, "update refused: {why}");
-        if u.device != device {
-            return refuse(format!("it names device `{}` but came on {device}'s topic", u.device));
-        }
-        if u.round != open.round {
-            return refuse(format!("it is for round {}, the open round is {}", u.round, open.round));
-        }
-        if !open.selected.contains(device) {
-            return refuse("the device was not selected this round".into());
-        }
-        if open.reported.contains_key(device) {
-            return; // a duplicate delivery or a resend of an update already counted
-        }
-        if open.transfers.get(device).is_some_and(|(_, b)| b.manifest() == &u.update) {
-            return; // the same update announced again while its chunks are arriving
-        }
-        let transfer = format!("r{}/{device}", open.round);
-        if u.update.transfer != transfer {
-            return refuse(format!("transfer id `{}` is not {transfer}", u.update.transfer));
-        }
-        let required = self.client_term.required_section().filter(|_| !open.evaluation);
-        for (name, m) in &u.sections {
-            let expected =
-                Some(name.as_str()) == required || (name == keys::DIAGNOSTIC_GRADIENT && open.diagnostics.is_some());
-            if !expected {
-                return refuse(format!("unexpected section `{name}`"));
-            }
-            if m.transfer != format!("{transfer}/{name}") {
-                return refuse(format!("section `{name}` has transfer id `{}`, not {transfer}/{name}", m.transfer));
-            }
-        }
-        if let Some(name) = required.filter(|n| !u.sections.contains_key(*n)) {
-            open.rejected.insert(device.to_string(), format!("no `{name}` section"));
-            return refuse(format!("the job runs {:?} but the update has no `{name}` section", self.client_term.kind));
-        }
-        match Bundle::new(u.update.clone(), &u.sections, &self.limits) {
-            Ok(b) => {
-                open.transfers.insert(device.to_string(), (u, b));
-            }
-            Err(e) => {
-                open.rejected.insert(device.to_string(), e.to_string());
-                refuse(e.to_string());
-            }
-        }
-    }
-
-    fn accept_chunk(&mut self, open: &mut OpenRound, device: &str, chunk: TransferChunk) {
-        let Some((_, bundle)) = open.transfers.get_mut(device) else { return };
-        let len = chunk.bytes.len() as u64;
-        let diagnostic = chunk.transfer.ends_with(&format!("/{}", keys::DIAGNOSTIC_GRADIENT));
-        match bundle.accept(chunk) {
-            Ok(BundleProgress::Foreign | BundleProgress::Duplicate) => {}
-            Ok(progress) => {
-                open.bytes_up += len;
-                if diagnostic {
-                    open.diagnostics_bytes += len;
-                }
-                if let BundleProgress::Complete(bytes) = progress {
-                    let (update, _) = open.transfers.remove(device).expect("transfer present");
-                    match self.verify(open, &bytes) {
-                        Ok((delta, sections)) => {
-                            open.sum.add(&delta, update.pairs as f64);
-                            for (name, payload) in &sections {
-                                if name == keys::DIAGNOSTIC_GRADIENT {
-                                    if let Some(d) = open.diagnostics.as_mut() {
-                                        d.add_gradient(payload);
-                                    }
-                                } else if let Some(controls) = open.controls.as_mut() {
-                                    controls.add(payload, 1.0);
-                                }
-                            }
-                            if let Some(d) = open.diagnostics.as_mut() {
-                                d.add_update(&delta);
-                            }
-                            open.reported.insert(device.to_string(), (update.pairs, update.metrics));
-                            tracing::info!(%device, reported = open.reported.len(), of = open.selected.len(), "update accepted");
-                        }
-                        Err(e) => {
-                            tracing::warn!(%device, error = %e, "update refused");
-                            open.rejected.insert(device.to_string(), e.to_string());
-                        }
-                    }
-                }
-            }
-            Err(e) => {
-                tracing::warn!(%device, error = %e, "update transfer failed");
-                open.rejected.insert(device.to_string(), e.to_string());
-            }
-        }
-    }
-
-    /// Decodes and checks a complete update: the delta and every section must be shaped
-    /// like the shared set, and a training round's delta must not be empty.
-    fn verify(&self, open: &OpenRound, bytes: &BundleBytes) -> Result<(TensorPayload, Vec<(String, TensorPayload)>)> {
-        let delta = TensorPayload::from_bytes(&bytes.main, &self.limits, true)?;
-        WeightedSum::check(&self.global, &delta)?;
-        if delta.tensors.is_empty() && !open.evaluation {
-            bail!("an empty update in a training round")
-        }
-        let mut sections = Vec::new();
-        for (name, b) in &bytes.sections {
-            let payload = TensorPayload::from_bytes(b, &self.limits, true)?;
-            WeightedSum::check(&self.global, &payload).map_err(|e| anyhow::anyhow!("section `{name}`: {e}"))?;
-            if payload.tensors.is_empty() {
-                bail!("section `{name}` is empty");
-            }
-            sections.push((name.clone(), payload));
-        }
-        Ok((delta, sections))
     }
 }
 
