@@ -35,6 +35,18 @@ pub(crate) enum ClientTermKind {
     Fedga,
 }
 
+impl ClientTermKind {
+    /// The CLI spelling.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Self::None => "none",
+            Self::Fedprox => "fedprox",
+            Self::Scaffold => "scaffold",
+            Self::Fedga => "fedga",
+        }
+    }
+}
+
 /// FedGA's settings, with the layer weights already resolved to layer names.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub(crate) struct FedgaSettings {
@@ -200,7 +212,7 @@ impl ClientTerm {
     pub(crate) fn restore(&mut self, state: &[u8]) -> Result<()> {
         let saved: Self = serde_cbor::from_slice(state).context("decoding the client-term state")?;
         if saved.kind != self.kind {
-            bail!("the checkpoint was made with --client-term {:?}, not {:?}", saved.kind, self.kind);
+            bail!("the checkpoint was made with --client-term {}, not {}", saved.kind.name(), self.kind.name());
         }
         // The flags of this run stay; only the vectors carry over.
         self.control = saved.control;
@@ -324,6 +336,31 @@ mod tests {
         let (_, r) = term.plan_sections().pop().unwrap();
         let r = r.tensors[0].values();
         assert!((f64::from(r[0]) + 0.054).abs() < 1e-6 && (f64::from(r[1]) + 0.172).abs() < 1e-6, "{r:?}");
+    }
+
+    #[test]
+    fn restored_state_keeps_the_vectors_and_this_runs_flags_and_refuses_another_term() {
+        let spec =
+            PolicySpec { config: Gpt2Config::tiny(), lora: None, partition: Partition::new(PartitionPreset::Feddpo) };
+        let before = GlobalModel::new(spec.clone(), vec![vector(vec![0.0, 0.0])]);
+        let after = GlobalModel::new(spec, vec![vector(vec![1.0, 0.0])]);
+        let fedga = |lambda| FedgaSettings {
+            lambda,
+            beta: 0.5,
+            layer: false,
+            displacement: false,
+            fd_step: 1e-3,
+            weights: BTreeMap::new(),
+        };
+        let mut saved = ClientTerm::new(ClientTermKind::Fedga, 0.0, fedga(0.1), &before);
+        saved.after_round(Some(&before), &after, None, 1);
+        let mut resumed = ClientTerm::new(ClientTermKind::Fedga, 0.0, fedga(0.7), &before);
+        resumed.restore(&saved.state().unwrap()).unwrap();
+        assert_eq!(resumed.plan_sections(), saved.plan_sections(), "r carries over");
+        assert_eq!(resumed.fedga.lambda, 0.7, "the flags of the resumed run apply");
+        let mut other = ClientTerm::new(ClientTermKind::Scaffold, 0.0, fedga(0.1), &before);
+        let err = other.restore(&saved.state().unwrap()).unwrap_err().to_string();
+        assert!(err.contains("--client-term fedga, not scaffold"), "{err}");
     }
 
     #[test]

@@ -43,7 +43,10 @@ impl Server {
         }
         if let Some(name) = required.filter(|n| !u.sections.contains_key(*n)) {
             open.rejected.insert(device.to_string(), format!("no `{name}` section"));
-            return refuse(format!("the job runs {:?} but the update has no `{name}` section", self.client_term.kind));
+            return refuse(format!(
+                "the job runs {} but the update has no `{name}` section",
+                self.client_term.kind.name()
+            ));
         }
         match Bundle::new(u.update.clone(), &u.sections, &self.limits) {
             Ok(b) => {
