@@ -37,11 +37,15 @@ impl RunResult {
         self.final_record().filter(|r| !r.reward_acc.is_empty()).map(|r| mean(&r.reward_acc))
     }
 
-    /// Relative fall of κ² from the first to the last training round.
+    /// Relative fall of κ² from the first training round to the mean of the last quarter
+    /// of them (at least one round): κ² swings from round to round, so one last value
+    /// would say more about the final round than about the trend.
     fn kappa2_drop(&self) -> Option<f64> {
-        let first = self.training().find_map(|r| r.kappa2)?;
-        let last = self.training().filter_map(|r| r.kappa2).last()?;
-        (first > 0.0).then(|| 1.0 - last / first)
+        let values: Vec<f64> = self.training().filter_map(|r| r.kappa2).collect();
+        let first = *values.first()?;
+        let tail = values.len().div_ceil(4);
+        let late = values[values.len() - tail..].iter().sum::<f64>() / tail as f64;
+        (first > 0.0).then(|| 1.0 - late / first)
     }
 }
 
@@ -171,7 +175,7 @@ pub(crate) fn write_summary(out: &Path, cells: &[CellSummary]) -> Result<String>
         "study,label,seeds,heldout_mean,heldout_std,train_mean,train_std,loss_mean,loss_std,grad_norm_mean,grad_norm_std,kappa2_drop_mean,kappa2_drop_std\n",
     );
     let mut md = String::from(
-        "| study | run | seeds | held-out acc | train acc | final loss | grad norm | κ² fall |\n|---|---|---|---|---|---|---|---|\n",
+        "| study | run | seeds | held-out acc | train acc | final loss | grad norm | κ² fall¹ |\n|---|---|---|---|---|---|---|---|\n",
     );
     let pm = |(m, s): (f64, f64), digits: usize| format!("{m:.digits$} ± {s:.digits$}");
     for c in cells {
@@ -206,6 +210,7 @@ pub(crate) fn write_summary(out: &Path, cells: &[CellSummary]) -> Result<String>
             pm(c.grad_norm, 3)
         )?;
     }
+    md.push_str("\n¹ 1 − (mean κ² over the last quarter of the rounds) / (κ² of round 1); – with one participant.\n");
     fedpo_model::io::write_atomic(&out.join("summary.csv"), csv.as_bytes())?;
     fedpo_model::io::write_atomic(&out.join("summary.md"), md.as_bytes())?;
     Ok(md)
