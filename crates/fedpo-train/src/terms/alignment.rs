@@ -10,7 +10,7 @@
 //!
 //! - [`AlignmentMode::FiniteDifference`] (default): central differences of gradients,
 //!   `H·v ≈ ‖v‖·(g(θ + ε·v̂) − g(θ − ε·v̂)) / 2ε`, two extra backward passes per step on the
-//!   same batch. `ε = rel_step·‖θ_shared‖`, so each weight moves by about `rel_step` of its
+//!   same batch. `ε = rel_step·max(‖θ_shared‖, 1)`, so each weight moves by about `rel_step` of its
 //!   own size: 1e-3 keeps f32 rounding (~6e-8 relative) three orders below the step while
 //!   the truncation error, O(ε²), stays small. Exact double backprop is not offered:
 //!   candle detaches intermediate gradients unless `CANDLE_GRAD_DO_NOT_DETACH=1`, and its
@@ -65,8 +65,8 @@ pub fn layer_of(name: &str) -> String {
 /// FedGA's penalty for one round.
 pub struct Alignment {
     lambda: f64,
-    granularity: Granularity,
-    weights: BTreeMap<String, f64>,
+    /// The cosine's groups, with zero-weight layers left out; fixed for the round.
+    groups: Vec<Group>,
     mode: AlignmentMode,
     reference: Grads,
     anchor: Grads,
@@ -75,6 +75,28 @@ pub struct Alignment {
 struct Group {
     weight: f64,
     names: Vec<String>,
+    /// `‖r_l‖²`, which does not change within a round.
+    reference_sq: f64,
+}
+
+/// The reference's names grouped by `granularity`, weighted, in name order.
+fn group_names(
+    reference: &Grads,
+    granularity: Granularity,
+    weights: &BTreeMap<String, f64>,
+) -> Vec<(f64, Vec<String>)> {
+    let mut names: Vec<String> = reference.keys().cloned().collect();
+    names.sort();
+    match granularity {
+        Granularity::Full => vec![(1.0, names)],
+        Granularity::Layer => {
+            let mut by_layer: BTreeMap<String, Vec<String>> = BTreeMap::new();
+            for n in names {
+                by_layer.entry(layer_of(&n)).or_default().push(n);
+            }
+            by_layer.into_iter().map(|(layer, names)| (weights.get(&layer).copied().unwrap_or(1.0), names)).collect()
+        }
+    }
 }
 
 impl Alignment {
@@ -101,25 +123,15 @@ impl Alignment {
                 )));
             }
         }
-        Ok(Self { lambda, granularity, weights, mode, reference, anchor })
-    }
-
-    fn groups(&self) -> Vec<Group> {
-        let mut names: Vec<String> = self.reference.keys().cloned().collect();
-        names.sort();
-        match self.granularity {
-            Granularity::Full => vec![Group { weight: 1.0, names }],
-            Granularity::Layer => {
-                let mut by_layer: BTreeMap<String, Vec<String>> = BTreeMap::new();
-                for n in names {
-                    by_layer.entry(layer_of(&n)).or_default().push(n);
-                }
-                by_layer
-                    .into_iter()
-                    .map(|(layer, names)| Group { weight: self.weights.get(&layer).copied().unwrap_or(1.0), names })
-                    .collect()
+        let mut groups = Vec::new();
+        for (weight, names) in group_names(&reference, granularity, &weights) {
+            if weight == 0.0 {
+                continue;
             }
+            let reference_sq = dot(&reference, &reference, names.iter().map(String::as_str))?;
+            groups.push(Group { weight, names, reference_sq });
         }
+        Ok(Self { lambda, groups, mode, reference, anchor })
     }
 
     /// The penalty and `v = Σ_l w_l·∂cos(x_l, r_l)/∂x_l`. Groups where `x` or `r` is zero
@@ -127,14 +139,11 @@ impl Alignment {
     fn cosine_gradient(&self, x: &Grads) -> Result<(f64, Grads)> {
         let mut penalty = 0.0;
         let mut v = Grads::new();
-        for group in self.groups() {
-            if group.weight == 0.0 {
-                continue;
-            }
+        for group in &self.groups {
             let names = || group.names.iter().map(String::as_str);
             let xr = dot(x, &self.reference, names())?;
             let xx = dot(x, x, names())?;
-            let rr = dot(&self.reference, &self.reference, names())?;
+            let rr = group.reference_sq;
             if xx <= 0.0 || rr <= 0.0 {
                 continue;
             }
