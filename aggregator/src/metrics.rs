@@ -27,6 +27,9 @@ pub(crate) struct RoundRecord {
     pub(crate) reward_acc: BTreeMap<String, f64>,
     /// Reward accuracy on each device's held-out pairs, at the round's start model.
     pub(crate) heldout_acc: BTreeMap<String, f64>,
+    /// Each device's peak resident memory after the round, MiB. Devices simulated in one
+    /// process share that process's number.
+    pub(crate) peak_rss_mib: BTreeMap<String, f64>,
     /// The global gradient norm. With --diagnostics, exactly ‖mean_i ∇F_i(θ_t)‖ from the
     /// devices' full gradients at the round's model; otherwise the pseudo-gradient
     /// ‖mean update‖ / (lr · E) that local SGD followed.

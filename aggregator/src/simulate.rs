@@ -151,6 +151,7 @@ impl SimulateArgs {
                 heldout,
                 max_len: self.max_len,
                 compute: Device::Cpu,
+                max_memory_mib: None,
                 stop: stop.clone(),
             };
             handles.push(std::thread::Builder::new().name(id).spawn(move || participant::run(cfg))?);

@@ -57,6 +57,10 @@ fn identical_devices_have_zero_gradient_diversity_and_aligned_updates() {
     let kappa2 = r["kappa2"].as_f64().unwrap();
     assert!(grad_norm > 1e-3, "a zero gradient would make κ² = 0 trivially: {grad_norm}");
     assert!(kappa2 <= 1e-10 * grad_norm * grad_norm, "κ² = {kappa2} with |g| = {grad_norm}");
+    // Every device reports its peak memory with its update.
+    let peaks = r["peak_rss_mib"].as_object().unwrap();
+    assert_eq!(peaks.len(), 3, "{peaks:?}");
+    assert!(peaks.values().all(|v| v.as_f64().unwrap() > 10.0), "{peaks:?}");
     let layer_cos = r["layer_cos"].as_object().unwrap();
     assert!(layer_cos.len() > 5, "{layer_cos:?}");
     for (layer, cos) in layer_cos {

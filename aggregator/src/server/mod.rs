@@ -338,6 +338,7 @@ impl Server {
             train_loss: weighted(&|m| m.train_loss),
             reward_acc: open.reported.iter().map(|(d, (_, m))| (d.clone(), m.reward_acc)).collect(),
             heldout_acc: open.reported.iter().filter_map(|(d, (_, m))| Some((d.clone(), m.heldout_acc?))).collect(),
+            peak_rss_mib: open.reported.iter().filter_map(|(d, (_, m))| Some((d.clone(), m.peak_rss_mib?))).collect(),
             device_grad_norm: weighted(&|m| m.grad_norm),
             diagnostics_bytes: open.diagnostics_bytes,
             bytes_up: open.bytes_up,

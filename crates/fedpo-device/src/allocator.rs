@@ -17,15 +17,3 @@ pub(crate) fn keep_freed_memory_in_heap() {
         libc::mallopt(libc::M_TRIM_THRESHOLD, -1);
     }
 }
-
-/// Peak resident set size of this process, in MiB.
-pub(crate) fn peak_rss_mb() -> f64 {
-    // SAFETY: getrusage writes into the zeroed struct we pass.
-    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
-    let ok = unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) } == 0;
-    if ok {
-        usage.ru_maxrss as f64 / 1024.0
-    } else {
-        0.0
-    }
-}

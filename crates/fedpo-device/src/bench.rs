@@ -19,7 +19,7 @@ use fedpo_train::{score_pairs, DpoSettings, LocalTrainer, LossKind, OptimConfig,
 use rand::{Rng, SeedableRng};
 use serde_json::json;
 
-use crate::allocator::peak_rss_mb;
+use fedpo_device::memory::peak_rss_mib as peak_rss_mb;
 
 #[derive(Debug, Args)]
 pub(crate) struct BenchArgs {

@@ -20,6 +20,7 @@ use fedpo_wire::{
 };
 use thiserror::Error;
 
+use crate::memory::{self, longest, PlanError, PlanRequest};
 use crate::round::{train_round, RoundInputs};
 use crate::state_dir::{SentUpdate, StateDir};
 
@@ -41,6 +42,14 @@ pub enum ParticipantError {
     /// Encoding or decoding failed.
     #[error(transparent)]
     Wire(#[from] fedpo_wire::WireError),
+    /// The job's model does not fit this device's memory budget.
+    #[error("round {round}: {source}")]
+    Memory {
+        /// The round whose plan was refused.
+        round: u64,
+        /// What would not fit.
+        source: PlanError,
+    },
     /// The model could not be built.
     #[error(transparent)]
     Model(#[from] fedpo_model::ModelError),
@@ -72,6 +81,9 @@ pub struct ParticipantConfig {
     pub max_len: usize,
     /// Where the model computes.
     pub compute: Device,
+    /// Memory budget for training, MiB: each round's micro-batch is planned to fit it, and a
+    /// model that cannot fit makes the device leave the job before downloading it.
+    pub max_memory_mib: Option<u64>,
     /// Set to stop the participant between rounds.
     pub stop: Arc<AtomicBool>,
 }
@@ -102,6 +114,8 @@ struct Participant {
     pad_id: u32,
     limits: Limits,
     summary: ParticipantSummary,
+    /// The micro-batch the memory budget allows for the pending round's model.
+    micro_batch_pairs: Option<usize>,
 }
 
 /// Joins the job and takes part until the aggregator finishes it or `cfg.stop` is set.
@@ -135,10 +149,18 @@ pub fn run(cfg: ParticipantConfig) -> Result<ParticipantSummary, ParticipantErro
         pad_id,
         limits: Limits::default(),
         summary: ParticipantSummary::default(),
+        micro_batch_pairs: None,
     };
     let span = tracing::info_span!("device", id = %p.cfg.id);
     let _enter = span.enter();
-    p.event_loop()?;
+    if let Err(e) = p.event_loop() {
+        if matches!(e, ParticipantError::Memory { .. }) {
+            let bye = Message::Bye(DeviceBye { device: p.cfg.id.clone(), reason: e.to_string() });
+            let _ = p.link.publish(&p.topics.up(&p.cfg.id), bye.encode());
+            p.link.close(Duration::from_secs(10));
+        }
+        return Err(e);
+    }
     let bye = Message::Bye(DeviceBye { device: p.cfg.id.clone(), reason: "done".into() });
     let _ = p.link.publish(&p.topics.up(&p.cfg.id), bye.encode());
     let summary = p.summary.clone();
@@ -156,8 +178,44 @@ impl Participant {
             device: self.cfg.id.clone(),
             pairs: self.train.len() as u64,
             backend: format!("{:?}", self.cfg.compute).to_lowercase(),
-            memory_mb: 0,
+            memory_mb: self.cfg.max_memory_mib.or_else(memory::available_mib).unwrap_or(0),
         }))
+    }
+
+    /// Plans the round's micro-batch under `--max-memory`, before the model is downloaded.
+    /// A model that cannot fit is an error: no later round of the job would fit either.
+    fn fit_memory(&mut self, plan: &RoundPlan) -> Result<(), ParticipantError> {
+        let Some(budget) = self.cfg.max_memory_mib else { return Ok(()) };
+        let spec: fedpo_model::PolicySpec = serde_json::from_str(&plan.model_spec)
+            .map_err(|e| ParticipantError::Protocol(format!("round {}: unreadable model spec: {e}", plan.round)))?;
+        let (seq_len, response_len) = longest(&self.train);
+        let (h_seq, h_resp) = longest(&self.heldout);
+        let request = PlanRequest {
+            config: spec.config,
+            lora: spec.lora.filter(|_| spec.partition.uses_adapter()),
+            partition: spec.partition,
+            optimizer: fedpo_train::OptimKind::Sgd,
+            batch_pairs: plan.hyper.batch_pairs.max(1) as usize,
+            seq_len: seq_len.max(h_seq),
+            response_len: response_len.max(h_resp),
+            federated: true,
+            may_freeze_embeddings: false,
+            may_shorten: false,
+        };
+        let fitted =
+            memory::plan(&request, budget).map_err(|source| ParticipantError::Memory { round: plan.round, source })?;
+        if self.micro_batch_pairs != Some(fitted.micro_batch_pairs) {
+            tracing::info!(
+                round = plan.round,
+                budget_mib = budget,
+                plan = %fitted,
+                longest_sequence = request.seq_len,
+                longest_response = request.response_len,
+                "memory plan"
+            );
+        }
+        self.micro_batch_pairs = Some(fitted.micro_batch_pairs);
+        Ok(())
     }
 
     fn event_loop(&mut self) -> Result<(), ParticipantError> {
@@ -224,6 +282,7 @@ impl Participant {
                     {
                         continue; // the same plan again, e.g. resent for another device
                     }
+                    self.fit_memory(&plan)?;
                     let bundle = Bundle::new(plan.global_model.clone(), &plan.sections, &self.limits)?;
                     tracing::info!(
                         round = plan.round,
@@ -242,7 +301,7 @@ impl Participant {
                             // A round that cannot run (a model that does not fit, a
                             // non-finite loss) costs this round only: the device stays
                             // in the job and the aggregator's deadline moves on.
-                            if let Err(e) = self.round(&plan, &bytes) {
+                            if let Err(e) = self.round(&plan, bytes) {
                                 tracing::error!(round = plan.round, error = %e, "round failed; waiting for the next plan");
                             }
                         }
@@ -265,10 +324,11 @@ impl Participant {
         }
     }
 
-    fn round(&mut self, plan: &RoundPlan, bytes: &BundleBytes) -> Result<(), ParticipantError> {
+    fn round(&mut self, plan: &RoundPlan, bytes: BundleBytes) -> Result<(), ParticipantError> {
         let span = tracing::info_span!("round", round = plan.round);
         let _enter = span.enter();
         let global = TensorPayload::from_bytes(&bytes.main, &self.limits, true)?;
+        drop(bytes.main);
         let sections = bytes
             .sections
             .iter()
@@ -279,7 +339,7 @@ impl Participant {
         let outcome = train_round(
             RoundInputs {
                 plan,
-                global: &global,
+                global,
                 global_sha256: &sha,
                 sections: &sections,
                 train: &self.train,
@@ -287,6 +347,7 @@ impl Participant {
                 pad_id: self.pad_id,
                 seed: device_seed(&self.cfg.id),
                 compute: &self.cfg.compute,
+                micro_batch_pairs: self.micro_batch_pairs,
             },
             &self.state,
             &mut progress,
@@ -316,6 +377,7 @@ impl Participant {
         self.publish_update(&sent)?;
         self.summary.rounds.push(plan.round);
         tracing::info!(
+            peak_rss_mib = format_args!("{:.0}", outcome.metrics.peak_rss_mib.unwrap_or_default()),
             loss = format_args!("{:.4}", outcome.metrics.train_loss),
             train_acc = format_args!("{:.3}", outcome.metrics.reward_acc),
             heldout_acc = ?outcome.metrics.heldout_acc,

@@ -15,6 +15,7 @@ use fedpo_train::{
 use fedpo_wire::{keys, RoundPlan, TensorPayload, UpdateMetrics};
 
 use crate::local_terms::{save_control, shared_anchor, terms_for};
+use crate::memory::peak_rss_mib;
 use crate::participant::ParticipantError;
 use crate::state_dir::{Progress, StateDir};
 
@@ -29,7 +30,8 @@ pub(crate) struct RoundOutcome {
 
 pub(crate) struct RoundInputs<'a> {
     pub(crate) plan: &'a RoundPlan,
-    pub(crate) global: &'a TensorPayload,
+    /// Owned so that its bytes are freed once the model is built from them.
+    pub(crate) global: TensorPayload,
     pub(crate) global_sha256: &'a str,
     /// The plan's sections, decoded.
     pub(crate) sections: &'a BTreeMap<String, TensorPayload>,
@@ -38,6 +40,8 @@ pub(crate) struct RoundInputs<'a> {
     pub(crate) pad_id: u32,
     pub(crate) seed: u64,
     pub(crate) compute: &'a Device,
+    /// Pairs per forward pass, when a memory budget set it.
+    pub(crate) micro_batch_pairs: Option<usize>,
 }
 
 /// Trains one round. Saves the private adapter before returning, so an update is never
@@ -56,6 +60,8 @@ pub(crate) fn train_round(
         &format!("the global model of round {}", plan.round),
         input.compute,
     )?;
+    // On a small device every model-sized copy counts: the wire form is no longer needed.
+    drop(input.global);
     let private_adapter = spec.partition.uses_adapter() && spec.partition.adapter_role() == ParamRole::Private;
     let saved = if private_adapter && state.adapter_path().exists() {
         Some(load_adapter(&state.adapter_path(), input.compute)?)
@@ -69,11 +75,12 @@ pub(crate) fn train_round(
     };
     let policy = Policy::build(spec, Some(&global), adapter_source, input.seed, DType::F32, input.compute)?;
 
+    let batch_pairs = plan.hyper.batch_pairs.max(1) as usize;
     let settings = DpoSettings {
         beta: plan.hyper.beta,
         loss: LossKind::Sigmoid { label_smoothing: 0.0 },
-        batch_pairs: plan.hyper.batch_pairs.max(1) as usize,
-        micro_batch_pairs: plan.hyper.batch_pairs.max(1) as usize,
+        batch_pairs,
+        micro_batch_pairs: input.micro_batch_pairs.unwrap_or(batch_pairs).clamp(1, batch_pairs),
         pad_id: input.pad_id,
     };
     // The reference is the first global model this device trained from (with a fresh,
@@ -81,7 +88,7 @@ pub(crate) fn train_round(
     let reference_model = progress.reference_model.clone().unwrap_or_else(|| input.global_sha256.to_string());
     let score = |pairs: &[TokenizedPair], file: &str| {
         load_or_score_pairs(&state.path(file), &reference_model, &fingerprint(pairs), || {
-            score_pairs(&policy, pairs, settings.batch_pairs, settings.pad_id)
+            score_pairs(&policy, pairs, settings.micro_batch_pairs, settings.pad_id)
         })
         .map(|(logps, _)| logps)
     };
@@ -159,6 +166,7 @@ pub(crate) fn train_round(
             heldout_acc,
             grad_norm,
             seconds: started.elapsed().as_secs_f64(),
+            peak_rss_mib: Some(peak_rss_mib()),
         },
         delta,
         sections,

@@ -61,6 +61,10 @@ pub(crate) struct RunArgs {
     /// Compute device: cpu, cuda[:N] or metal.
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// Memory budget for training, MiB: each round's micro-batch is planned to fit; a job
+    /// whose model cannot fit is refused before its model is downloaded.
+    #[arg(long, value_name = "MB")]
+    max_memory: Option<u64>,
     /// CA certificate (PEM) for mqtts://.
     #[arg(long)]
     ca: Option<PathBuf>,
@@ -117,6 +121,7 @@ pub(crate) fn run(args: RunArgs) -> Result<()> {
         heldout,
         max_len: args.max_len,
         compute: parse_device(&args.device)?,
+        max_memory_mib: args.max_memory,
         stop,
     };
     let summary = participant::run(cfg)?;

@@ -64,6 +64,42 @@ pub(crate) fn parse_device(spec: &str) -> Result<Device> {
 }
 
 impl ModelArgs {
+    /// The model's shape, without loading its weights.
+    pub(crate) fn config(&self) -> Result<Gpt2Config> {
+        match Gpt2Config::preset(&self.model) {
+            Some(config) => Ok(config),
+            None => {
+                let path = Path::new(&self.model).join("config.json");
+                Gpt2Config::from_json_file(&path).with_context(|| {
+                    format!("--model `{}` is neither a preset (tiny, distilgpt2) nor an HF directory", self.model)
+                })
+            }
+        }
+    }
+
+    /// The tokenizer [`Self::build`] will use: an HF directory's own, else GPT-2's BPE.
+    pub(crate) fn tokenizer(&self) -> Result<Gpt2Tokenizer> {
+        let own = Path::new(&self.model).join("tokenizer.json");
+        if Gpt2Config::preset(&self.model).is_none() && own.is_file() {
+            Ok(Gpt2Tokenizer::from_file(&own)?)
+        } else {
+            Ok(Gpt2Tokenizer::gpt2()?)
+        }
+    }
+
+    /// The adapter the policy will carry, if its partition has one (from --adapter's file
+    /// when given, else from --rank/--alpha/--targets).
+    pub(crate) fn adapter_config(&self, device: &Device) -> Result<Option<LoraConfig>> {
+        let partition = Partition { preset: self.partition, freeze_embeddings: self.freeze_embeddings };
+        if !partition.uses_adapter() {
+            return Ok(None);
+        }
+        match &self.adapter {
+            Some(path) => Ok(Some(load_adapter(path, device)?.lora)),
+            None => Ok(Some(self.lora()?)),
+        }
+    }
+
     fn lora(&self) -> Result<LoraConfig> {
         let targets: Vec<&str> = self.targets.0.iter().map(String::as_str).collect();
         Ok(LoraConfig::new(self.rank, self.alpha, &targets)?)

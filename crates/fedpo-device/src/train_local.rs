@@ -5,11 +5,13 @@ use std::io::{BufWriter, Write};
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
+use candle_core::Device;
 use clap::Args;
 use fedpo_data::fingerprint;
+use fedpo_device::memory::{self, longest, peak_rss_mib, PlanRequest};
 use fedpo_model::checkpoint::{save_adapter, save_model_dir};
 use fedpo_model::io::{hash_tensors, write_atomic};
-use fedpo_model::{ParamKind, ParamRole, Policy};
+use fedpo_model::{ParamKind, ParamRole, Partition, Policy};
 use fedpo_train::{
     evaluate, load_or_score_pairs, score_pairs, DpoSettings, EvalMetrics, LocalTrainer, LossKind, OptimConfig,
     OptimKind, PreferenceSet,
@@ -17,7 +19,7 @@ use fedpo_train::{
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 
-use crate::setup::{parse_device, tokenize, DataArgs, ModelArgs};
+use crate::setup::{parse_device, tokenize, DataArgs, LoadedData, ModelArgs};
 
 /// Loss and optimizer flags shared by every training command.
 #[derive(Debug, Args, Clone)]
@@ -92,6 +94,38 @@ pub(crate) struct TrainLocalArgs {
     /// Output directory: metrics.jsonl, summary.json, the adapter and/or model.
     #[arg(long, default_value = "runs/train-local")]
     pub(crate) out: PathBuf,
+    /// Memory budget in MiB: picks the micro-batch, and if need be freezes the embeddings
+    /// and shortens sequences, so that training fits; refuses a budget nothing fits.
+    #[arg(long, value_name = "MB")]
+    pub(crate) max_memory: Option<u64>,
+}
+
+/// Fits training into `--max-memory`: adjusts the model and data flags in place.
+fn fit_to_memory(args: &mut TrainLocalArgs, budget_mib: u64, data: &LoadedData, device: &Device) -> Result<()> {
+    let config = args.model.config()?;
+    let tokenizer = args.model.tokenizer()?;
+    let tokens = tokenize(&data.train, &tokenizer, args.data.max_len, config.n_positions)?;
+    let (seq_len, response_len) = longest(&tokens);
+    let request = PlanRequest {
+        lora: args.model.adapter_config(device)?,
+        partition: Partition { preset: args.model.partition, freeze_embeddings: args.model.freeze_embeddings },
+        optimizer: args.dpo.optim,
+        batch_pairs: args.dpo.micro_batch_pairs.unwrap_or(args.dpo.batch_pairs).min(args.dpo.batch_pairs),
+        seq_len,
+        response_len,
+        federated: false,
+        may_freeze_embeddings: true,
+        may_shorten: true,
+        config,
+    };
+    let plan = memory::plan(&request, budget_mib)?;
+    tracing::info!(budget_mib, plan = %plan, longest_sequence = seq_len, longest_response = response_len, "memory plan");
+    args.dpo.micro_batch_pairs = Some(plan.micro_batch_pairs);
+    args.model.freeze_embeddings |= plan.freeze_embeddings;
+    if let Some(len) = plan.max_len {
+        args.data.max_len = len;
+    }
+    Ok(())
 }
 
 fn reference_set(
@@ -103,16 +137,20 @@ fn reference_set(
 ) -> Result<PreferenceSet> {
     let fp = fingerprint(&pairs);
     let (reference, hit) = load_or_score_pairs(&cache, model_hash, &fp, || {
-        score_pairs(policy, &pairs, settings.batch_pairs, settings.pad_id)
+        score_pairs(policy, &pairs, settings.micro_batch_pairs, settings.pad_id)
     })?;
     tracing::info!(pairs = pairs.len(), cached = hit, file = %cache.display(), "reference log-probs ready");
     Ok(PreferenceSet { pairs, reference })
 }
 
-pub(crate) fn run(args: TrainLocalArgs) -> Result<()> {
+pub(crate) fn run(mut args: TrainLocalArgs) -> Result<()> {
     let device = parse_device(&args.model.device)?;
-    let (policy, tokenizer) = args.model.build(&device)?;
     let data = args.data.load(args.model.seed)?;
+    if let Some(budget) = args.max_memory {
+        fit_to_memory(&mut args, budget, &data, &device)?;
+    }
+    let (policy, tokenizer) = args.model.build(&device)?;
+    tracing::debug!(peak_rss_mib = peak_rss_mib(), "model built");
     let n_positions = policy.spec.config.n_positions;
     let train_tokens = tokenize(&data.train, &tokenizer, args.data.max_len, n_positions)?;
     let heldout_tokens = tokenize(&data.heldout, &tokenizer, args.data.max_len, n_positions)?;
@@ -133,6 +171,7 @@ pub(crate) fn run(args: TrainLocalArgs) -> Result<()> {
     let train = reference_set(&policy, &model_hash, train_tokens, args.out.join("ref_train.json"), &settings)?;
     let heldout = reference_set(&policy, &model_hash, heldout_tokens, args.out.join("ref_heldout.json"), &settings)?;
 
+    tracing::debug!(peak_rss_mib = peak_rss_mib(), "reference log-probs scored");
     let before_train = evaluate(&policy, &train, &settings)?;
     let before_heldout = evaluate(&policy, &heldout, &settings)?;
     let mut trainer = LocalTrainer::new(settings, args.dpo.optim(), args.model.seed)?;
@@ -155,6 +194,7 @@ pub(crate) fn run(args: TrainLocalArgs) -> Result<()> {
         }
     }
     bar.finish_and_clear();
+    tracing::debug!(peak_rss_mib = peak_rss_mib(), "trained");
 
     // Optimizer state of the private parameters: what a device keeps between rounds.
     let private: Vec<&str> = policy.params.with_role(ParamRole::Private).map(|p| p.name.as_str()).collect();
@@ -164,6 +204,7 @@ pub(crate) fn run(args: TrainLocalArgs) -> Result<()> {
 
     let after_train = evaluate(&policy, &train, &settings)?;
     let after_heldout = evaluate(&policy, &heldout, &settings)?;
+    tracing::debug!(peak_rss_mib = peak_rss_mib(), "evaluated");
     save_outputs(&policy, &tokenizer, &args, &before_train, &before_heldout, &after_train, &after_heldout)?;
     println!(
         "reward accuracy  train {:.3} -> {:.3}   held-out {:.3} -> {:.3}   (loss {:.4} -> {:.4})",
@@ -176,6 +217,10 @@ pub(crate) fn run(args: TrainLocalArgs) -> Result<()> {
     );
     println!("wrote {}", args.out.display());
     Ok(())
+}
+
+fn policy_micro_batch(args: &TrainLocalArgs) -> usize {
+    args.dpo.micro_batch_pairs.unwrap_or(args.dpo.batch_pairs)
 }
 
 fn save_outputs(
@@ -214,6 +259,10 @@ fn save_outputs(
         "lora": policy.spec.lora,
         "dpo": { "beta": args.dpo.beta, "loss": args.dpo.loss, "lr": args.dpo.lr, "optim": args.dpo.optim, "batch_pairs": args.dpo.batch_pairs },
         "saved": saved,
+        "micro_batch_pairs": policy_micro_batch(args),
+        "max_len": args.data.max_len,
+        "freeze_embeddings": args.model.freeze_embeddings,
+        "peak_rss_mib": peak_rss_mib(),
     });
     write_atomic(&args.out.join("summary.json"), &serde_json::to_vec_pretty(&summary)?)?;
     Ok(())

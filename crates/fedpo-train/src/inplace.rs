@@ -60,6 +60,35 @@ impl InplaceOp2 for SgdStep {
     }
 }
 
+/// `acc += g`: gradient accumulation over micro-batches without a new buffer each time.
+pub(crate) struct AddAssign;
+
+impl InplaceOp2 for AddAssign {
+    fn name(&self) -> &'static str {
+        "add-assign"
+    }
+    fn cpu_fwd(&self, s1: &mut CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> CResult<()> {
+        zip_storages!("add-assign", s1, l1, [(s2, l2)], |acc, g| acc + g)
+    }
+}
+
+/// Adds `g` into `acc` where it lives when both are contiguous f32/f64 CPU tensors of one
+/// shape; otherwise returns the sum as a new tensor.
+pub(crate) fn accumulate(acc: Tensor, g: &Tensor) -> CResult<Tensor> {
+    let in_place = acc.device().is_cpu()
+        && acc.is_contiguous()
+        && g.is_contiguous()
+        && acc.dtype() == g.dtype()
+        && acc.shape() == g.shape()
+        && matches!(acc.dtype(), candle_core::DType::F32 | candle_core::DType::F64);
+    if in_place {
+        acc.inplace_op2(g, &AddAssign)?;
+        Ok(acc)
+    } else {
+        acc + g
+    }
+}
+
 /// `m = beta m + (1 - beta) (scale g)`, or with `square`, `(scale g)^2`.
 pub(crate) struct MomentUpdate {
     pub(crate) beta: f64,

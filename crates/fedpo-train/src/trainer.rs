@@ -211,7 +211,9 @@ impl LocalTrainer {
             for (name, var) in &trainable {
                 if let Some(g) = store.get(var.as_tensor()) {
                     let acc = match grads.remove(*name) {
-                        Some(prev) => (prev + g)?,
+                        // The first micro-batch's gradient becomes the accumulator: its
+                        // store is dropped before the next micro-batch adds into it.
+                        Some(prev) => crate::inplace::accumulate(prev, g)?,
                         None => g.clone(),
                     };
                     grads.insert(name.to_string(), acc);
@@ -273,12 +275,14 @@ impl LocalTrainer {
     }
 }
 
-/// Loss, reward accuracy and margin of `policy` on a set, `batch_pairs` at a time.
+/// Loss, reward accuracy and margin of `policy` on a set, `micro_batch_pairs` at a time
+/// (a forward pass holds as much memory as a training one).
 pub fn evaluate(policy: &Policy, data: &PreferenceSet, settings: &DpoSettings) -> Result<EvalMetrics> {
     let (dtype, device) = (policy.model_dtype(), policy.model_device());
     let mut t = Totals::default();
-    for (k, chunk) in data.pairs.chunks(settings.batch_pairs.max(1)).enumerate() {
-        let offset = k * settings.batch_pairs.max(1);
+    let per_pass = settings.micro_batch_pairs.clamp(1, settings.batch_pairs.max(1));
+    for (k, chunk) in data.pairs.chunks(per_pass).enumerate() {
+        let offset = k * per_pass;
         let batch = BatchTensors::new(&collate(&chunk.iter().collect::<Vec<_>>(), settings.pad_id), dtype, &device)?;
         let values = sequence_logps_values(policy, &batch)?;
         let range = offset..offset + chunk.len();

@@ -115,6 +115,10 @@ pub struct UpdateMetrics {
     pub grad_norm: f64,
     /// Wall time of local training.
     pub seconds: f64,
+    /// Peak resident memory of the device process after the round, MiB (absent from
+    /// devices that predate it).
+    #[serde(default)]
+    pub peak_rss_mib: Option<f64>,
 }
 
 /// A device's result for a round; the update's tensors follow as chunks.

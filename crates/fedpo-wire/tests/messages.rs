@@ -32,8 +32,9 @@ prop_compose! {
 
 prop_compose! {
     fn arb_metrics()(train_loss in finite(), reward_acc in 0.0f64..1.0, heldout in proptest::option::of(0.0f64..1.0),
-                     grad_norm in 0.0f64..100.0, seconds in 0.0f64..1e4) -> UpdateMetrics {
-        UpdateMetrics { train_loss, reward_acc, heldout_acc: heldout, grad_norm, seconds }
+                     grad_norm in 0.0f64..100.0, seconds in 0.0f64..1e4,
+                     peak_rss_mib in proptest::option::of(0.0f64..1e6)) -> UpdateMetrics {
+        UpdateMetrics { train_loss, reward_acc, heldout_acc: heldout, grad_norm, seconds, peak_rss_mib }
     }
 }
 
@@ -136,7 +137,14 @@ fn manifest_announcing_more_than_the_transfer_limit_is_refused() {
         round: 1,
         device: "d".into(),
         pairs: 1,
-        metrics: UpdateMetrics { train_loss: 0.5, reward_acc: 0.5, heldout_acc: None, grad_norm: 1.0, seconds: 1.0 },
+        metrics: UpdateMetrics {
+            train_loss: 0.5,
+            reward_acc: 0.5,
+            heldout_acc: None,
+            grad_norm: 1.0,
+            seconds: 1.0,
+            peak_rss_mib: None,
+        },
         update: manifest("r1/d", 2 << 20, 2),
         sections: Default::default(),
     });

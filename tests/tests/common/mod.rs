@@ -157,6 +157,7 @@ pub fn start_devices(
                 heldout,
                 max_len,
                 compute: Device::Cpu,
+                max_memory_mib: None,
                 stop: Arc::new(AtomicBool::new(false)),
             };
             std::thread::spawn(move || {

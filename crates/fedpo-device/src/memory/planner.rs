@@ -1,0 +1,305 @@
+//! Fitting training into a memory budget (`--max-memory MB`).
+//!
+//! The planner gives up things in the order that changes training least:
+//! 1. smaller micro-batches (gradient accumulation: the same optimizer step, slower);
+//! 2. frozen token and position embeddings (less trains; off in a federated job, where the
+//!    aggregator's plan fixes what is shared);
+//! 3. shorter sequences (truncation loses tokens; off where the data is already tokenized).
+//!
+//! A budget nothing fits is refused before anything is allocated, with the smallest
+//! footprint fedpo could reach and what it would take.
+
+use std::fmt;
+
+use fedpo_data::TokenizedPair;
+use fedpo_model::{Gpt2Config, LoraConfig, Partition};
+use fedpo_train::OptimKind;
+use thiserror::Error;
+
+use super::footprint::{Estimate, ParamCounts, Workload};
+
+/// Sequences are never shortened below this many tokens.
+pub const MIN_SEQ_LEN: usize = 32;
+
+/// What to fit.
+#[derive(Debug, Clone)]
+pub struct PlanRequest {
+    /// The model's shape.
+    pub config: Gpt2Config,
+    /// The adapter, if the partition has one.
+    pub lora: Option<LoraConfig>,
+    /// What trains and what is shared.
+    pub partition: Partition,
+    /// The optimizer.
+    pub optimizer: OptimKind,
+    /// Pairs per optimizer step (fixed: it is part of the method).
+    pub batch_pairs: usize,
+    /// Tokens of the longest tokenized sequence.
+    pub seq_len: usize,
+    /// Response tokens of the longest response (where logits are taken).
+    pub response_len: usize,
+    /// A federated round (it also holds the global model and the upload).
+    pub federated: bool,
+    /// The planner may freeze the embeddings.
+    pub may_freeze_embeddings: bool,
+    /// The planner may shorten sequences.
+    pub may_shorten: bool,
+}
+
+/// A configuration that fits.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MemoryPlan {
+    /// Pairs per forward pass.
+    pub micro_batch_pairs: usize,
+    /// Whether the embeddings must be frozen (only when the request allowed it).
+    pub freeze_embeddings: bool,
+    /// The sequence length to truncate to, when shorter than the request's.
+    pub max_len: Option<usize>,
+    /// The expected peak, MiB, with the safety margin.
+    pub estimate_mib: f64,
+}
+
+impl fmt::Display for MemoryPlan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let n = self.micro_batch_pairs;
+        write!(f, "{n} pair{} per pass", if n == 1 { "" } else { "s" })?;
+        if self.freeze_embeddings {
+            write!(f, ", frozen embeddings")?;
+        }
+        if let Some(len) = self.max_len {
+            write!(f, ", sequences cut to {len} tokens")?;
+        }
+        write!(f, " (expected peak {:.0} MiB)", self.estimate_mib)
+    }
+}
+
+/// Why a budget cannot be met.
+#[derive(Debug, Error, PartialEq)]
+pub enum PlanError {
+    /// Even the smallest configuration the request allows needs more.
+    #[error(
+        "--max-memory {budget_mib} MiB cannot hold this training: the smallest configuration allowed here \
+         ({smallest}) needs about {needed_mib:.0} MiB, of which {parameters_mib:.0} MiB are weights, \
+         gradients and optimizer state.{hint}"
+    )]
+    DoesNotFit {
+        /// The budget.
+        budget_mib: u64,
+        /// The smallest plan tried.
+        smallest: String,
+        /// Its estimate.
+        needed_mib: f64,
+        /// Its parameter share.
+        parameters_mib: f64,
+        /// What else would fit, if anything.
+        hint: String,
+    },
+    /// Nonsense input.
+    #[error("memory planning: {0}")]
+    Invalid(String),
+}
+
+impl PlanRequest {
+    fn workload(&self, micro_batch_pairs: usize, freeze_embeddings: bool, seq_len: usize) -> Workload {
+        let partition =
+            Partition { freeze_embeddings: self.partition.freeze_embeddings || freeze_embeddings, ..self.partition };
+        Workload {
+            config: self.config.clone(),
+            params: ParamCounts::of(&self.config, self.lora.as_ref(), partition),
+            micro_batch_pairs,
+            seq_len,
+            logit_positions: self.response_len.min(seq_len),
+            optimizer: self.optimizer,
+            federated: self.federated,
+            embeddings_train: partition.base_role("wte.weight").is_trainable(),
+        }
+    }
+
+    fn estimate(&self, micro: usize, freeze: bool, seq_len: usize) -> Estimate {
+        self.workload(micro, freeze, seq_len).estimate()
+    }
+
+    /// The largest micro-batch that fits at these settings, if any.
+    fn largest_micro_batch(&self, budget: f64, freeze: bool, seq_len: usize) -> Option<(usize, f64)> {
+        (1..=self.batch_pairs)
+            .rev()
+            .map(|m| (m, self.estimate(m, freeze, seq_len).peak_mib()))
+            .find(|(_, mib)| *mib <= budget)
+    }
+}
+
+/// The longest sequence (prompt + response) and the longest response among `pairs`: every
+/// batch is padded to at most the first and takes logits at most at the second.
+pub fn longest(pairs: &[TokenizedPair]) -> (usize, usize) {
+    pairs.iter().fold((0, 0), |(seq, resp), p| {
+        let r = p.chosen.len().max(p.rejected.len());
+        (seq.max(p.prompt.len() + r), resp.max(r))
+    })
+}
+
+/// Fits `request` into `budget_mib`.
+pub fn plan(request: &PlanRequest, budget_mib: u64) -> Result<MemoryPlan, PlanError> {
+    if request.batch_pairs == 0 || request.seq_len == 0 {
+        return Err(PlanError::Invalid("batch pairs and sequence length must be positive".into()));
+    }
+    let budget = budget_mib as f64;
+    let already_frozen = request.partition.freeze_embeddings;
+    let mut freeze_options = vec![false];
+    if request.may_freeze_embeddings && !already_frozen {
+        freeze_options.push(true);
+    }
+    let mut lengths = vec![request.seq_len];
+    if request.may_shorten {
+        let mut len = request.seq_len / 2;
+        while len >= MIN_SEQ_LEN {
+            lengths.push(len);
+            len /= 2;
+        }
+        if request.seq_len > MIN_SEQ_LEN && !lengths.contains(&MIN_SEQ_LEN) {
+            lengths.push(MIN_SEQ_LEN);
+        }
+    }
+    for &len in &lengths {
+        for &freeze in &freeze_options {
+            if let Some((micro, estimate_mib)) = request.largest_micro_batch(budget, freeze, len) {
+                return Ok(MemoryPlan {
+                    micro_batch_pairs: micro,
+                    freeze_embeddings: freeze,
+                    max_len: (len < request.seq_len).then_some(len),
+                    estimate_mib,
+                });
+            }
+        }
+    }
+
+    let (len, freeze) = (*lengths.last().unwrap_or(&request.seq_len), *freeze_options.last().unwrap_or(&false));
+    let smallest = request.estimate(1, freeze, len);
+    let smallest_plan = MemoryPlan {
+        micro_batch_pairs: 1,
+        freeze_embeddings: freeze,
+        max_len: (len < request.seq_len).then_some(len),
+        estimate_mib: smallest.peak_mib(),
+    };
+    Err(PlanError::DoesNotFit {
+        budget_mib,
+        smallest: smallest_plan.to_string().split(" (").next().unwrap_or_default().to_string(),
+        needed_mib: smallest.peak_mib(),
+        parameters_mib: smallest.parameters_mib,
+        hint: hint(request, budget),
+    })
+}
+
+/// What the request forbade the planner to try, when that would fit.
+fn hint(request: &PlanRequest, budget: f64) -> String {
+    let mut hints = Vec::new();
+    if !request.may_freeze_embeddings && !request.partition.freeze_embeddings {
+        if let Some((micro, mib)) = request.largest_micro_batch(budget, true, request.seq_len) {
+            hints.push(format!(
+                "with frozen embeddings (the aggregator's --freeze-embeddings), at {micro} pairs per pass ({mib:.0} MiB)"
+            ));
+        }
+    }
+    if !request.may_shorten {
+        let mut len = request.seq_len / 2;
+        while len >= MIN_SEQ_LEN {
+            if let Some((micro, mib)) = request.largest_micro_batch(budget, false, len) {
+                hints.push(format!("with --max-len {len}, at {micro} pairs per pass ({mib:.0} MiB)"));
+                break;
+            }
+            len /= 2;
+        }
+    }
+    if hints.is_empty() {
+        " Use a smaller model or a device with more memory.".to_string()
+    } else {
+        format!(" It would fit {}.", hints.join("; or "))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use fedpo_model::PartitionPreset;
+
+    use super::*;
+
+    fn distilgpt2_request() -> PlanRequest {
+        PlanRequest {
+            config: Gpt2Config::distilgpt2(),
+            lora: Some(LoraConfig::default()),
+            partition: Partition::new(PartitionPreset::Pfeddpo),
+            optimizer: OptimKind::Sgd,
+            batch_pairs: 8,
+            seq_len: 128,
+            response_len: 64,
+            federated: true,
+            may_freeze_embeddings: false,
+            may_shorten: false,
+        }
+    }
+
+    #[test]
+    fn a_generous_budget_keeps_the_whole_batch_in_one_pass() {
+        let p = plan(&distilgpt2_request(), 64 * 1024).unwrap();
+        assert_eq!((p.micro_batch_pairs, p.freeze_embeddings, p.max_len), (8, false, None));
+    }
+
+    #[test]
+    fn a_raspberry_pi_budget_splits_the_batch_and_stays_under_it() {
+        // The synthetic personas' longest pair: 71 tokens, 55 of them response.
+        let request = PlanRequest { seq_len: 71, response_len: 55, ..distilgpt2_request() };
+        let p = plan(&request, 3000).unwrap();
+        assert!(p.micro_batch_pairs < 8 && p.micro_batch_pairs >= 1, "{p}");
+        assert!(p.estimate_mib <= 3000.0);
+        // The next larger micro-batch would not have fitted: the planner takes the largest.
+        assert!(request.estimate(p.micro_batch_pairs + 1, false, 71).peak_mib() > 3000.0);
+    }
+
+    #[test]
+    fn an_impossible_budget_is_refused_with_the_smallest_footprint_and_a_way_out() {
+        let err = plan(&distilgpt2_request(), 1200).unwrap_err();
+        let text = err.to_string();
+        assert!(text.contains("--max-memory 1200 MiB"), "{text}");
+        assert!(text.contains("1 pair per pass"), "{text}");
+        match err {
+            PlanError::DoesNotFit { needed_mib, .. } => assert!(needed_mib > 1200.0),
+            other => panic!("{other:?}"),
+        }
+        // 1200 MiB is below even the weights' copies: no hint can rescue it.
+        let tiny_budget = plan(&distilgpt2_request(), 300).unwrap_err().to_string();
+        assert!(tiny_budget.contains("smaller model"), "{tiny_budget}");
+    }
+
+    #[test]
+    fn a_federated_device_is_told_that_frozen_embeddings_would_fit() {
+        // Frozen embeddings drop 39 M trainable parameters; find a budget where only that helps.
+        let request = distilgpt2_request();
+        let unfrozen = request.estimate(1, false, 128).peak_mib();
+        let frozen = request.estimate(1, true, 128).peak_mib();
+        assert!(frozen < unfrozen);
+        let budget = ((frozen + unfrozen) / 2.0) as u64;
+        let text = plan(&request, budget).unwrap_err().to_string();
+        assert!(text.contains("--freeze-embeddings"), "{text}");
+
+        let allowed = PlanRequest { may_freeze_embeddings: true, ..request };
+        let p = plan(&allowed, budget).unwrap();
+        assert!(p.freeze_embeddings, "{p}");
+        assert!(p.estimate_mib <= budget as f64);
+    }
+
+    #[test]
+    fn shortening_is_the_last_resort_and_never_goes_below_the_floor() {
+        let request = PlanRequest {
+            may_freeze_embeddings: true,
+            may_shorten: true,
+            federated: false,
+            seq_len: 512,
+            response_len: 256,
+            ..distilgpt2_request()
+        };
+        let frozen_short = request.estimate(1, true, MIN_SEQ_LEN).peak_mib();
+        let p = plan(&request, frozen_short.ceil() as u64).unwrap();
+        assert!(p.freeze_embeddings);
+        assert_eq!(p.max_len, Some(MIN_SEQ_LEN));
+        assert!(plan(&request, (frozen_short - 1.0) as u64).is_err());
+    }
+}
