@@ -5,10 +5,12 @@
 //! fedpo-device score --model DIR --adapter A.safetensors --data pairs.jsonl
 //! fedpo-device bench --tiny --pairs 4 --steps 8                       # DPO step time, peak RSS
 //! fedpo-device run --broker mqtt://agg:1883 --id pi-7 --data pairs.jsonl --state-dir /var/lib/fedpo
+//! fedpo-device run --config /etc/fedpo/device.toml                   # flags from a file
 //! ```
 
 mod allocator;
 mod bench;
+mod config_file;
 mod run;
 mod score;
 mod setup;
@@ -23,6 +25,10 @@ use tracing_subscriber::EnvFilter;
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// TOML file of this subcommand's flags (keys are long flag names); flags on the
+    /// command line override it. Goes after the subcommand.
+    #[arg(long, global = true, value_name = "FILE")]
+    config: Option<std::path::PathBuf>,
 }
 
 #[derive(Subcommand)]
@@ -45,7 +51,8 @@ fn main() -> Result<()> {
         .with_env_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,rumqttc=warn")))
         .with_writer(std::io::stderr)
         .init();
-    match Cli::parse().command {
+    let args = config_file::expand(std::env::args_os().collect())?;
+    match Cli::parse_from(args).command {
         Command::TrainLocal(args) => train_local::run(args),
         Command::Score(args) => score::run(args),
         Command::Bench(args) => bench::run(args),
