@@ -43,12 +43,12 @@ pub enum ParticipantError {
     #[error(transparent)]
     Wire(#[from] fedpo_wire::WireError),
     /// The job's model does not fit this device's memory budget.
-    #[error("round {round}: {source}")]
+    #[error("round {round}: {reason}")]
     Memory {
         /// The round whose plan was refused.
         round: u64,
-        /// What would not fit.
-        source: PlanError,
+        /// What would not fit, and what would.
+        reason: PlanError,
     },
     /// The model could not be built.
     #[error(transparent)]
@@ -203,7 +203,7 @@ impl Participant {
             may_shorten: false,
         };
         let fitted =
-            memory::plan(&request, budget).map_err(|source| ParticipantError::Memory { round: plan.round, source })?;
+            memory::plan(&request, budget).map_err(|reason| ParticipantError::Memory { round: plan.round, reason })?;
         if self.micro_batch_pairs != Some(fitted.micro_batch_pairs) {
             tracing::info!(
                 round = plan.round,

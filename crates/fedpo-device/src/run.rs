@@ -58,8 +58,9 @@ pub(crate) struct RunArgs {
     /// Tokens per sequence after truncation.
     #[arg(long, default_value_t = 128)]
     max_len: usize,
-    /// Compute device: cpu, cuda[:N] or metal.
-    #[arg(long, default_value = "cpu")]
+    /// Compute device: auto (the best backend built in: cuda, metal, then cpu), cpu,
+    /// cuda[:N] or metal.
+    #[arg(long, default_value = "auto")]
     device: String,
     /// Memory budget for training, MiB: each round's micro-batch is planned to fit; a job
     /// whose model cannot fit is refused before its model is downloaded.

@@ -38,16 +38,20 @@ pub(crate) struct ModelArgs {
     /// Keep the token and position embeddings frozen.
     #[arg(long)]
     pub(crate) freeze_embeddings: bool,
-    /// Compute device: cpu, cuda[:N] or metal.
-    #[arg(long, default_value = "cpu")]
+    /// Compute device: auto (the best backend built in: cuda, metal, then cpu), cpu,
+    /// cuda[:N] or metal.
+    #[arg(long, default_value = "auto")]
     pub(crate) device: String,
     /// Seed of the model's random initialisation and of the data order.
     #[arg(long, default_value_t = 0)]
     pub(crate) seed: u64,
 }
 
-/// Parses `--device`.
+/// Parses `--device`: `auto`, `cpu`, `cuda[:N]` or `metal[:N]`.
 pub(crate) fn parse_device(spec: &str) -> Result<Device> {
+    if spec == "auto" {
+        return Ok(best_device());
+    }
     let (kind, ordinal) = match spec.split_once(':') {
         Some((k, n)) => (k, n.parse::<usize>().with_context(|| format!("bad device ordinal in `{spec}`"))?),
         None => (spec, 0),
@@ -59,8 +63,24 @@ pub(crate) fn parse_device(spec: &str) -> Result<Device> {
         "cuda" | "metal" => {
             bail!("this fedpo-device was built without `{kind}` support; rebuild with `--features {kind}`")
         }
-        _ => bail!("unknown device `{spec}`; expected cpu, cuda[:N] or metal"),
+        _ => bail!("unknown device `{spec}`; expected auto, cpu, cuda[:N] or metal"),
     }
+}
+
+/// The fastest backend this binary was built with that answers on this machine: CUDA,
+/// then Metal, then the CPU. A GPU that fails to open is logged and skipped.
+fn best_device() -> Device {
+    #[cfg(feature = "cuda")]
+    match Device::new_cuda(0) {
+        Ok(d) => return d,
+        Err(e) => tracing::warn!(error = %e, "built with CUDA but no GPU opened; trying the next backend"),
+    }
+    #[cfg(feature = "metal")]
+    match Device::new_metal(0) {
+        Ok(d) => return d,
+        Err(e) => tracing::warn!(error = %e, "built with Metal but no GPU opened; trying the next backend"),
+    }
+    Device::Cpu
 }
 
 impl ModelArgs {
@@ -234,4 +254,24 @@ pub(crate) fn tokenize(
         bail!("--max-len {max_len} exceeds the model's {n_positions} positions");
     }
     Ok(tokenize_pairs(pairs, |s| tokenizer.encode(s), max_len, tokenizer.eos_id())?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    #[cfg(not(any(feature = "cuda", feature = "metal")))]
+    fn auto_device_is_the_cpu_in_a_build_without_gpu_backends() {
+        assert!(parse_device("auto").unwrap().is_cpu());
+        assert!(parse_device("cpu").unwrap().is_cpu());
+    }
+
+    #[test]
+    fn unknown_device_lists_the_accepted_spellings() {
+        let err = parse_device("tpu").unwrap_err().to_string();
+        assert!(err.contains("auto, cpu, cuda[:N] or metal"), "{err}");
+        let err = parse_device("cuda:x").unwrap_err().to_string();
+        assert!(err.contains("cuda:x"), "{err}");
+    }
 }
