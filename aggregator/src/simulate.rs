@@ -152,6 +152,7 @@ impl SimulateArgs {
                 max_len: self.max_len,
                 compute: Device::Cpu,
                 max_memory_mib: None,
+                compute_dtype: candle_core::DType::F32,
                 stop: stop.clone(),
             };
             handles.push(std::thread::Builder::new().name(id).spawn(move || participant::run(cfg))?);

@@ -34,6 +34,7 @@ fn device_over_its_memory_budget_leaves_the_job_before_downloading_the_model() {
         max_len: 128,
         compute: Device::Cpu,
         max_memory_mib: Some(1500),
+        compute_dtype: candle_core::DType::F32,
         stop: Arc::new(AtomicBool::new(false)),
     };
     let device = std::thread::spawn(move || participant::run(cfg));

@@ -84,6 +84,8 @@ pub struct ParticipantConfig {
     /// Memory budget for training, MiB: each round's micro-batch is planned to fit it, and a
     /// model that cannot fit makes the device leave the job before downloading it.
     pub max_memory_mib: Option<u64>,
+    /// Dtype of matmuls and activations (f32, or bf16/f16 for mixed precision).
+    pub compute_dtype: candle_core::DType,
     /// Set to stop the participant between rounds.
     pub stop: Arc<AtomicBool>,
 }
@@ -348,6 +350,7 @@ impl Participant {
                 seed: device_seed(&self.cfg.id),
                 compute: &self.cfg.compute,
                 micro_batch_pairs: self.micro_batch_pairs,
+                compute_dtype: self.cfg.compute_dtype,
             },
             &self.state,
             &mut progress,

@@ -42,6 +42,8 @@ pub(crate) struct RoundInputs<'a> {
     pub(crate) compute: &'a Device,
     /// Pairs per forward pass, when a memory budget set it.
     pub(crate) micro_batch_pairs: Option<usize>,
+    /// Dtype of matmuls and activations.
+    pub(crate) compute_dtype: DType,
 }
 
 /// Trains one round. Saves the private adapter before returning, so an update is never
@@ -73,7 +75,8 @@ pub(crate) fn train_round(
         (None, true) => None, // a fresh adapter, seeded by the device id
         (None, false) => Some(&global),
     };
-    let policy = Policy::build(spec, Some(&global), adapter_source, input.seed, DType::F32, input.compute)?;
+    let mut policy = Policy::build(spec, Some(&global), adapter_source, input.seed, DType::F32, input.compute)?;
+    policy.set_compute_dtype(input.compute_dtype)?;
 
     let batch_pairs = plan.hyper.batch_pairs.max(1) as usize;
     let settings = DpoSettings {

@@ -62,6 +62,10 @@ pub(crate) struct RunArgs {
     /// cuda[:N] or metal.
     #[arg(long, default_value = "auto")]
     device: String,
+    /// Dtype of matmuls and activations: f32, or bf16/f16 for mixed precision (the
+    /// uploaded delta and the private adapter stay f32).
+    #[arg(long, default_value = "f32", value_parser = crate::setup::parse_compute_dtype)]
+    compute_dtype: candle_core::DType,
     /// Memory budget for training, MiB: each round's micro-batch is planned to fit; a job
     /// whose model cannot fit is refused before its model is downloaded.
     #[arg(long, value_name = "MB")]
@@ -123,6 +127,7 @@ pub(crate) fn run(args: RunArgs) -> Result<()> {
         max_len: args.max_len,
         compute: parse_device(&args.device)?,
         max_memory_mib: args.max_memory,
+        compute_dtype: args.compute_dtype,
         stop,
     };
     let summary = participant::run(cfg)?;

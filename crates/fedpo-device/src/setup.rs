@@ -45,6 +45,21 @@ pub(crate) struct ModelArgs {
     /// Seed of the model's random initialisation and of the data order.
     #[arg(long, default_value_t = 0)]
     pub(crate) seed: u64,
+    /// Dtype of matmuls and activations: f32, or bf16/f16 for mixed precision (parameters,
+    /// gradients, layer norms, softmax and logits stay f32). Meant for GPUs; on the CPU
+    /// half precision is slower than f32.
+    #[arg(long, default_value = "f32", value_parser = parse_compute_dtype)]
+    pub(crate) compute_dtype: DType,
+}
+
+/// `--compute-dtype`: f32, bf16 or f16.
+pub(crate) fn parse_compute_dtype(s: &str) -> std::result::Result<DType, String> {
+    match s {
+        "f32" => Ok(DType::F32),
+        "bf16" => Ok(DType::BF16),
+        "f16" => Ok(DType::F16),
+        other => Err(format!("`{other}` is not a compute dtype; expected f32, bf16 or f16")),
+    }
 }
 
 /// Parses `--device`: `auto`, `cpu`, `cuda[:N]` or `metal[:N]`.
@@ -165,8 +180,9 @@ impl ModelArgs {
             bail!("the tokenizer has {} tokens but the model only {}", tokenizer.vocab_size(), config.vocab_size);
         }
         let spec = PolicySpec { config, lora: Some(lora), partition };
-        let policy =
+        let mut policy =
             Policy::build(spec, base.as_ref(), adapter.as_ref().map(|a| &a.tensors), self.seed, DType::F32, device)?;
+        policy.set_compute_dtype(self.compute_dtype)?;
         Ok((policy, tokenizer))
     }
 }

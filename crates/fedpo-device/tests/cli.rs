@@ -220,3 +220,13 @@ fn adapter_with_a_partition_that_has_none_is_refused() {
     assert!(!o.status.success());
     assert!(stderr(&o).contains("has no adapter"), "{}", stderr(&o));
 }
+
+#[test]
+fn unknown_compute_dtype_is_refused_with_the_accepted_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    let o =
+        fedpo_device(&["train-local", "--synthetic", "--compute-dtype", "f8", "--out", dir.path().to_str().unwrap()]);
+    assert!(!o.status.success());
+    let err = stderr(&o);
+    assert!(err.contains("`f8` is not a compute dtype; expected f32, bf16 or f16"), "{err}");
+}

@@ -41,8 +41,11 @@ impl LayerNorm {
         })
     }
 
+    /// Normalizes in the weights' (master) dtype whatever the activations' dtype: mean and
+    /// variance over 768 values lose too much in bf16.
     fn forward(&self, x: &Tensor) -> CResult<Tensor> {
-        ops::layer_norm(x, &self.weight, &self.bias, self.eps)
+        let normed = ops::layer_norm(&x.to_dtype(self.weight.dtype())?, &self.weight, &self.bias, self.eps)?;
+        normed.to_dtype(x.dtype())
     }
 }
 
@@ -84,9 +87,11 @@ impl Conv1D {
         let fan_in = out_dims.pop().unwrap_or(0);
         let rows: usize = out_dims.iter().product();
         let x2 = x.reshape((rows, fan_in))?;
-        let mut y =
-            if self.weight_frozen { ops::matmul_frozen_rhs(&x2, &self.weight)? } else { x2.matmul(&self.weight)? };
-        y = y.broadcast_add(&self.bias)?;
+        // Weights are kept in the master dtype and cast to the compute dtype at use (a no-op
+        // when they agree); the gradient flows back through the cast in the master dtype.
+        let weight = self.weight.to_dtype(x.dtype())?;
+        let mut y = if self.weight_frozen { ops::matmul_frozen_rhs(&x2, &weight)? } else { x2.matmul(&weight)? };
+        y = y.broadcast_add(&self.bias.to_dtype(x.dtype())?)?;
         if let Some(lora) = &self.lora {
             y = (y + lora.forward(&x2)?)?;
         }
@@ -126,7 +131,9 @@ impl Attention {
         };
         let (q, k, v) = (split(0)?, split(1)?, split(2)?);
         let scores = (q.matmul(&k.t()?)? * (1.0 / (head_dim as f64).sqrt()))?;
-        let probs = ops::softmax_last_dim(&scores.broadcast_add(causal_mask)?)?;
+        // The mask and the softmax stay in the master dtype (the mask's).
+        let scores = scores.to_dtype(causal_mask.dtype())?.broadcast_add(causal_mask)?;
+        let probs = ops::softmax_last_dim(&scores)?.to_dtype(v.dtype())?;
         let y = probs.matmul(&v)?.transpose(1, 2)?.reshape((b, t, d))?;
         self.c_proj.forward(&y)
     }
@@ -189,6 +196,9 @@ pub struct Gpt2 {
     wte_frozen: bool,
     n_positions: usize,
     dtype: DType,
+    /// The dtype of matmuls and activations; `dtype` (the parameters', the logits' and
+    /// every reduction's) unless set lower for mixed precision.
+    compute: DType,
     device: Device,
 }
 
@@ -209,13 +219,26 @@ impl Gpt2 {
             wte_frozen,
             n_positions: cfg.n_positions,
             dtype: b.dtype(),
+            compute: b.dtype(),
             device: b.device().clone(),
         })
     }
 
-    /// The dtype the model computes in.
+    /// The dtype of the parameters and of the logits the model returns.
     pub fn dtype(&self) -> DType {
         self.dtype
+    }
+
+    /// The dtype matmuls and activations run in.
+    pub fn compute_dtype(&self) -> DType {
+        self.compute
+    }
+
+    /// Mixed precision: run matmuls and activations in `compute` (bf16 or f16) while the
+    /// parameters, their gradients, layer norms, softmax and the logits stay in the master
+    /// dtype.
+    pub fn set_compute_dtype(&mut self, compute: DType) {
+        self.compute = compute;
     }
 
     /// The device the model lives on.
@@ -231,7 +254,8 @@ impl Gpt2 {
         }
         let d = self.wte.dim(1)?;
         let tokens = self.wte.index_select(&input_ids.flatten_all()?, 0)?.reshape((b, t, d))?;
-        let mut x = tokens.broadcast_add(&self.wpe.narrow(0, 0, t)?)?;
+        let positions = self.wpe.narrow(0, 0, t)?;
+        let mut x = tokens.to_dtype(self.compute)?.broadcast_add(&positions.to_dtype(self.compute)?)?;
         let mask = causal_mask(t, self.dtype, &self.device)?;
         for block in &self.h {
             x = block.forward(&x, &mask)?;
@@ -239,10 +263,12 @@ impl Gpt2 {
         Ok(self.ln_f.forward(&x)?)
     }
 
-    /// Logits `[n, vocab]` for hidden states `[n, n_embd]`.
+    /// Logits `[n, vocab]` for hidden states `[n, n_embd]`, in the master dtype: the
+    /// log-softmax over the vocabulary that follows needs its precision.
     pub fn lm_head(&self, hidden: &Tensor) -> Result<Tensor> {
-        let head = self.wte.t()?;
-        Ok(if self.wte_frozen { ops::matmul_frozen_rhs(hidden, &head)? } else { hidden.matmul(&head)? })
+        let head = self.wte.t()?.to_dtype(hidden.dtype())?;
+        let logits = if self.wte_frozen { ops::matmul_frozen_rhs(hidden, &head)? } else { hidden.matmul(&head)? };
+        Ok(logits.to_dtype(self.dtype)?)
     }
 
     /// Logits `[batch, seq, vocab]` at every position (for tests and reference checks; the

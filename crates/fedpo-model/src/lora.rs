@@ -109,7 +109,8 @@ pub(crate) struct LoraLayer {
 impl LoraLayer {
     /// `scale * x A^T B^T` for a 2-D `x: [n, in]`.
     pub(crate) fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        x.matmul(&self.a.t()?)?.matmul(&self.b.t()?)? * self.scale
+        let (a, b) = (self.a.to_dtype(x.dtype())?, self.b.to_dtype(x.dtype())?);
+        x.matmul(&a.t()?)?.matmul(&b.t()?)? * self.scale
     }
 }
 

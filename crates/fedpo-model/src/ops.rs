@@ -208,7 +208,7 @@ impl CustomOp3 for TokenLogProbsGrad {
 
 /// `log softmax(logits)[i, targets[i]]` for `logits: [N, V]` and `targets: [N]` (u32).
 pub fn token_logprobs(logits: &Tensor, targets: &Tensor) -> CResult<Tensor> {
-    if logits.device().is_cpu() {
+    if logits.device().is_cpu() && full_precision(logits) {
         logits.contiguous()?.apply_op2(&targets.contiguous()?, TokenLogProbs)
     } else {
         log_softmax_last_dim(logits)?.gather(&targets.unsqueeze(1)?, 1)?.squeeze(1)
@@ -291,11 +291,17 @@ impl CustomOp2 for GeluNewBackward {
 
 /// GPT-2's `gelu_new`: `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`.
 pub fn gelu_new(x: &Tensor) -> CResult<Tensor> {
-    if x.device().is_cpu() {
+    if x.device().is_cpu() && full_precision(x) {
         x.contiguous()?.apply_op1(GeluNew)
     } else {
+        // candle's `gelu` is the same tanh approximation.
         x.gelu()
     }
+}
+
+/// The fused CPU kernels cover f32 and f64; half precision takes candle's own ops.
+fn full_precision(x: &Tensor) -> bool {
+    matches!(x.dtype(), candle_core::DType::F32 | candle_core::DType::F64)
 }
 
 #[cfg(test)]

@@ -5,7 +5,7 @@ use candle_core::{DType, Device};
 use serde::{Deserialize, Serialize};
 
 use crate::config::Gpt2Config;
-use crate::error::Result;
+use crate::error::{ModelError, Result};
 use crate::gpt2::Gpt2;
 use crate::lora::LoraConfig;
 use crate::params::{ParamStore, Partition};
@@ -56,9 +56,25 @@ impl Policy {
         Self::build(spec, None, None, seed, DType::F32, device)
     }
 
-    /// The dtype the model computes in.
+    /// The dtype of the parameters and of the logits (batch masks use it).
     pub fn model_dtype(&self) -> DType {
         self.model.dtype()
+    }
+
+    /// Mixed precision: matmuls and activations in `compute` (`bf16` or `f16`), parameters,
+    /// gradients, reductions and logits in the master dtype. Half precision over an f64
+    /// model, or anything but a float type, is refused.
+    pub fn set_compute_dtype(&mut self, compute: DType) -> Result<()> {
+        let ok = compute == self.model.dtype()
+            || (self.model.dtype() == DType::F32 && matches!(compute, DType::BF16 | DType::F16));
+        if !ok {
+            return Err(ModelError::InvalidConfig(format!(
+                "compute dtype {compute:?} over {:?} parameters; use f32 parameters with bf16 or f16 compute",
+                self.model.dtype()
+            )));
+        }
+        self.model.set_compute_dtype(compute);
+        Ok(())
     }
 
     /// The device the model lives on.

@@ -158,6 +158,7 @@ pub fn start_devices(
                 max_len,
                 compute: Device::Cpu,
                 max_memory_mib: None,
+                compute_dtype: candle_core::DType::F32,
                 stop: Arc::new(AtomicBool::new(false)),
             };
             std::thread::spawn(move || {
