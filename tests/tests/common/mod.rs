@@ -25,7 +25,12 @@ pub struct Wiretap {
 
 impl Wiretap {
     pub fn start(url: &BrokerUrl, filter: &str) -> Self {
-        let link = MqttLink::connect(url, &LinkOptions::new("wiretap")).expect("wiretap connects");
+        Self::start_with(url, filter, &LinkOptions::new("wiretap"))
+    }
+
+    /// A wiretap with its own client options (TLS identity, client id).
+    pub fn start_with(url: &BrokerUrl, filter: &str, opts: &LinkOptions) -> Self {
+        let link = MqttLink::connect(url, opts).expect("wiretap connects");
         link.subscribe(filter).unwrap();
         std::thread::sleep(Duration::from_millis(300));
         let heard = Arc::new(Mutex::new(Vec::new()));
