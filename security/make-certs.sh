@@ -4,8 +4,10 @@
 #   security/make-certs.sh OUT_DIR [DEVICE_ID ...]
 #
 # OUT_DIR gets ca.pem/ca.key, broker.pem/broker.key (for the broker: localhost,
-# 127.0.0.1 and $BROKER_HOST if set), aggregator.pem/.key and one ID.pem/ID.key per
-# device. A client certificate's common name is its MQTT identity: with
+# 127.0.0.1 and $BROKER_HOST if set), aggregator.pem/.key, one ID.pem/ID.key per
+# device, and the aggregator's plan-signing key: signing.key (Ed25519, for
+# `fedpo-aggregator --signing-key`) and signing.pub (its public key in hex, for
+# `fedpo-device run --trust-key`). A client certificate's common name is its MQTT identity: with
 # `use_identity_as_username true` Mosquitto's ACL sees it as the user name, so a device can
 # publish only under its own topics (security/acl). Keys are ECDSA P-256; leaf
 # certificates carry a subjectAltName and the extended key usage rustls checks.
@@ -42,10 +44,18 @@ broker_san="DNS:localhost,IP:127.0.0.1"
 [ -n "${BROKER_HOST:-}" ] && broker_san="$broker_san,DNS:$BROKER_HOST"
 leaf broker serverAuth "$broker_san"
 leaf aggregator clientAuth "DNS:aggregator"
+if [ ! -f signing.key ]; then
+    openssl genpkey -algorithm ed25519 -out signing.key 2>/dev/null
+    chmod 600 signing.key
+fi
+# The raw 32-byte public key is the last 32 bytes of its DER SubjectPublicKeyInfo.
+openssl pkey -in signing.key -pubout -outform DER 2>/dev/null | tail -c 32 | od -An -v -tx1 | tr -d ' \n' > signing.pub
+echo >> signing.pub
+
 for id in "$@"; do
     case "$id" in
         aggregator|broker|ca|*/*|*+*|*#*|"") echo "make-certs.sh: $id cannot be a device id" >&2; exit 2 ;;
     esac
     leaf "$id" clientAuth "DNS:$id"
 done
-echo "certificates in $(pwd): ca.pem, broker.pem, aggregator.pem${*:+, }$(printf '%s.pem ' "$@")"
+echo "in $(pwd): ca.pem, broker.pem, aggregator.pem${*:+, }$(printf '%s.pem ' "$@"); signing.key, signing.pub"

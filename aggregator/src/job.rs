@@ -105,6 +105,11 @@ pub(crate) struct JobArgs {
     /// upload per device and round, reported as diagnostics_bytes).
     #[arg(long)]
     pub(crate) diagnostics: bool,
+    /// Ed25519 private key (PEM PKCS#8, e.g. security/make-certs.sh's signing.key): every
+    /// plan is signed with it, and devices that pin its public key (`--trust-key`) refuse
+    /// plans and models that do not verify.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) signing_key: Option<std::path::PathBuf>,
     /// Seed of the model init and of device selection.
     #[arg(long, default_value_t = 0)]
     pub(crate) seed: u64,
@@ -127,6 +132,18 @@ pub(crate) struct JobArgs {
 }
 
 impl JobArgs {
+    /// The plan signer from `--signing-key`, if given.
+    pub(crate) fn signer(&self) -> Result<Option<fedpo_wire::PlanSigner>> {
+        match &self.signing_key {
+            Some(path) => {
+                let signer = fedpo_wire::PlanSigner::from_pem_file(path)?;
+                tracing::info!(public_key = %signer.public_key_hex(), "signing every plan");
+                Ok(Some(signer))
+            }
+            None => Ok(None),
+        }
+    }
+
     pub(crate) fn validate(&self) -> Result<()> {
         if self.per_round == 0 {
             bail!("--per-round must be at least 1");

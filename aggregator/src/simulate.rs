@@ -17,6 +17,7 @@ use clap::Args;
 use fedpo_data::synthetic::{generate_device, SyntheticSpec};
 use fedpo_device::participant::{self, ParticipantConfig};
 use fedpo_transport::{BrokerUrl, LinkOptions, MqttLink, TlsFiles};
+use fedpo_wire::{PlanSigner, PlanVerifier};
 
 use crate::broker_args::BrokerArgs;
 use crate::job::JobArgs;
@@ -99,6 +100,11 @@ impl SimulateArgs {
     fn spawn_fleet(&self, url: &BrokerUrl, tls: &TlsFiles) -> Result<Fleet> {
         let devices_dir = self.out.join("devices");
         std::fs::create_dir_all(&devices_dir)?;
+        // With --signing-key every simulated device pins the matching public key.
+        let trusted_key = match &self.job.signing_key {
+            Some(path) => Some(PlanSigner::from_pem_file(path)?.public_key_hex()),
+            None => None,
+        };
         if self.processes {
             let bin = device_binary()?;
             let mut children = Vec::with_capacity(self.devices);
@@ -114,6 +120,7 @@ impl SimulateArgs {
                     .args(["--max-len", &self.max_len.to_string(), "--seed", &self.job.seed.to_string()])
                     .arg("--state-dir")
                     .arg(devices_dir.join(&id))
+                    .args(trusted_key.iter().flat_map(|k| ["--trust-key", k.as_str()]))
                     .stdout(Stdio::null())
                     .stderr(log);
                 if let Some(p) = &url.password {
@@ -153,6 +160,7 @@ impl SimulateArgs {
                 compute: Device::Cpu,
                 max_memory_mib: None,
                 compute_dtype: candle_core::DType::F32,
+                trusted_key: trusted_key.as_deref().map(PlanVerifier::parse).transpose()?,
                 stop: stop.clone(),
             };
             handles.push(std::thread::Builder::new().name(id).spawn(move || participant::run(cfg))?);

@@ -35,6 +35,7 @@ fn device_over_its_memory_budget_leaves_the_job_before_downloading_the_model() {
         compute: Device::Cpu,
         max_memory_mib: Some(1500),
         compute_dtype: candle_core::DType::F32,
+        trusted_key: None,
         stop: Arc::new(AtomicBool::new(false)),
     };
     let device = std::thread::spawn(move || participant::run(cfg));
@@ -54,6 +55,7 @@ fn device_over_its_memory_budget_leaves_the_job_before_downloading_the_model() {
         model_spec: serde_json::to_string(&spec).unwrap(),
         global_model: manifest,
         sections: Default::default(),
+        signature: Vec::new(),
     });
     let aggregator = MqttLink::connect(&url, &LinkOptions::new("fake-aggregator")).unwrap();
     let down = Topics::new("mem").unwrap().down();

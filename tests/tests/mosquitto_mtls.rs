@@ -132,7 +132,7 @@ fn fleet_runs_through_mosquitto_with_mtls_and_a_device_cannot_publish_as_another
     let forged_update = b"forged by dev-2 as dev-0".to_vec();
     let forged_plan = b"forged by dev-2 as the aggregator".to_vec();
     let own_topic = b"dev-2 on its own topic".to_vec();
-    let mut publish_all = || {
+    let publish_all = || {
         rogue.publish(&topics.up("dev-0"), forged_update.clone()).unwrap();
         rogue.publish(&topics.down(), forged_plan.clone()).unwrap();
         rogue.publish(&topics.up("dev-2"), own_topic.clone()).unwrap();
@@ -157,6 +157,7 @@ fn fleet_runs_through_mosquitto_with_mtls_and_a_device_cannot_publish_as_another
                 compute: Device::Cpu,
                 max_memory_mib: None,
                 compute_dtype: candle_core::DType::F32,
+                trusted_key: None,
                 stop: Arc::new(AtomicBool::new(false)),
             };
             std::thread::spawn(move || participant::run(cfg).expect("device runs to the end of the job"))

@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Result};
 use fedpo_transport::{LinkEvent, MqttLink, Topics};
 use fedpo_wire::{
-    keys, split_payload, Bundle, Hyperparameters, Limits, Message, RoundPlan, RoundResult, TransferChunk, Update,
-    UpdateMetrics, DEFAULT_CHUNK_BYTES,
+    keys, split_payload, Bundle, Hyperparameters, Limits, Message, PlanSigner, RoundPlan, RoundResult, TransferChunk,
+    Update, UpdateMetrics, DEFAULT_CHUNK_BYTES,
 };
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -47,6 +47,8 @@ pub(crate) struct Server {
     metrics: MetricsLog,
     limits: Limits,
     started: Instant,
+    /// Signs every published plan (`--signing-key`).
+    signer: Option<PlanSigner>,
 }
 
 /// A round being collected.
@@ -129,8 +131,10 @@ impl Server {
             client_term.restore(&state.client_term_state)?;
         }
         let metrics = MetricsLog::open(out)?;
+        let signer = job.signer()?;
         link.subscribe(&topics.up_all())?;
         Ok(Self {
+            signer,
             link,
             topics,
             job,
@@ -267,6 +271,7 @@ impl Server {
             model_spec: serde_json::to_string(&self.global.spec)?,
             global_model: manifest,
             sections,
+            signature: Vec::new(), // signed as published
         };
         let training = !evaluation;
         let mut open = OpenRound {
@@ -314,6 +319,9 @@ impl Server {
     fn publish_plan(&mut self, open: &mut OpenRound) -> Result<()> {
         let mut plan = open.plan.clone();
         plan.selected.retain(|d| !open.reported.contains_key(d));
+        if let Some(signer) = &self.signer {
+            signer.sign(&mut plan);
+        }
         self.link.publish(&self.topics.down(), Message::Plan(plan).encode())?;
         for c in &open.chunks {
             open.bytes_down += c.bytes.len() as u64;

@@ -15,8 +15,8 @@ use fedpo_data::{tokenize_pairs, PreferencePair, TokenizedPair};
 use fedpo_model::Gpt2Tokenizer;
 use fedpo_transport::{BrokerUrl, LinkEvent, LinkOptions, MqttLink, TlsFiles, Topics};
 use fedpo_wire::{
-    split_payload, Bundle, BundleBytes, BundleProgress, DeviceBye, DeviceHello, Limits, Message, RoundPlan,
-    TensorPayload, Update, WireDType, DEFAULT_CHUNK_BYTES,
+    split_payload, Bundle, BundleBytes, BundleProgress, DeviceBye, DeviceHello, Limits, Message, PlanVerifier,
+    RoundPlan, TensorPayload, Update, WireDType, DEFAULT_CHUNK_BYTES,
 };
 use thiserror::Error;
 
@@ -86,6 +86,9 @@ pub struct ParticipantConfig {
     pub max_memory_mib: Option<u64>,
     /// Dtype of matmuls and activations (f32, or bf16/f16 for mixed precision).
     pub compute_dtype: candle_core::DType,
+    /// The aggregator's pinned public key: plans (and so models) whose signature does not
+    /// verify are refused. `None` accepts any plan.
+    pub trusted_key: Option<PlanVerifier>,
     /// Set to stop the participant between rounds.
     pub stop: Arc<AtomicBool>,
 }
@@ -155,6 +158,9 @@ pub fn run(cfg: ParticipantConfig) -> Result<ParticipantSummary, ParticipantErro
     };
     let span = tracing::info_span!("device", id = %p.cfg.id);
     let _enter = span.enter();
+    if p.cfg.trusted_key.is_none() {
+        tracing::warn!("no trusted aggregator key: any client that may publish plans can direct this device");
+    }
     if let Err(e) = p.event_loop() {
         if matches!(e, ParticipantError::Memory { .. }) {
             let bye = Message::Bye(DeviceBye { device: p.cfg.id.clone(), reason: e.to_string() });
@@ -258,6 +264,12 @@ impl Participant {
             };
             match msg {
                 Message::Plan(plan) => {
+                    if let Some(key) = &self.cfg.trusted_key {
+                        if let Err(e) = key.verify(&plan) {
+                            tracing::error!(error = %e, "refusing a plan that is not the aggregator's");
+                            continue;
+                        }
+                    }
                     heard_aggregator = true;
                     if !plan.selected.iter().any(|d| d == &self.cfg.id) {
                         continue;

@@ -11,6 +11,7 @@ use fedpo_data::synthetic::{generate_device, SyntheticSpec};
 use fedpo_data::{load_jsonl, DataFormat};
 use fedpo_device::participant::{self, ParticipantConfig};
 use fedpo_transport::{BrokerUrl, TlsFiles};
+use fedpo_wire::PlanVerifier;
 
 use crate::setup::parse_device;
 
@@ -66,6 +67,10 @@ pub(crate) struct RunArgs {
     /// uploaded delta and the private adapter stay f32).
     #[arg(long, default_value = "f32", value_parser = crate::setup::parse_compute_dtype)]
     compute_dtype: candle_core::DType,
+    /// The aggregator's Ed25519 public key (64 hex digits, or a file holding them, e.g.
+    /// security/make-certs.sh's signing.pub): plans that do not verify are refused.
+    #[arg(long, value_name = "HEX|FILE")]
+    trust_key: Option<String>,
     /// Memory budget for training, MiB: each round's micro-batch is planned to fit; a job
     /// whose model cannot fit is refused before its model is downloaded.
     #[arg(long, value_name = "MB")]
@@ -128,6 +133,7 @@ pub(crate) fn run(args: RunArgs) -> Result<()> {
         compute: parse_device(&args.device)?,
         max_memory_mib: args.max_memory,
         compute_dtype: args.compute_dtype,
+        trusted_key: args.trust_key.as_deref().map(PlanVerifier::parse).transpose()?,
         stop,
     };
     let summary = participant::run(cfg)?;

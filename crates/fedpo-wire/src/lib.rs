@@ -12,6 +12,7 @@ mod error;
 pub mod keys;
 mod limits;
 mod message;
+pub mod signing;
 mod tensor;
 
 pub use bundle::{check_sections, Bundle, BundleBytes, BundleProgress, MAX_SECTIONS};
@@ -22,4 +23,5 @@ pub use message::{
     DeviceBye, DeviceHello, Hyperparameters, Manifest, Message, RoundPlan, RoundResult, TensorInfo, TransferChunk,
     Update, UpdateMetrics, PROTOCOL_VERSION,
 };
+pub use signing::{PlanSigner, PlanVerifier, SignatureError};
 pub use tensor::{byte_len, TensorPayload, ToWire, WireDType, WireTensor};

@@ -100,6 +100,10 @@ pub struct RoundPlan {
     /// `fedga.reference`), each followed by its own chunks.
     #[serde(default)]
     pub sections: BTreeMap<String, Manifest>,
+    /// The aggregator's Ed25519 signature over the rest of the plan (empty: unsigned); see
+    /// [`crate::signing`].
+    #[serde(default, with = "serde_bytes")]
+    pub signature: Vec<u8>,
 }
 
 /// What a device measured in its local round.
@@ -296,6 +300,12 @@ impl Message {
                     return Err(WireError::InvalidField {
                         field: "model_spec",
                         reason: format!("{} bytes exceed the limit of {}", p.model_spec.len(), limits.max_spec_bytes),
+                    });
+                }
+                if !matches!(p.signature.len(), 0 | 64) {
+                    return Err(WireError::InvalidField {
+                        field: "signature",
+                        reason: format!("{} bytes; an Ed25519 signature has 64", p.signature.len()),
                     });
                 }
                 p.global_model.validate(limits)

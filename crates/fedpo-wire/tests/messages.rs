@@ -51,19 +51,23 @@ fn arb_message() -> impl Strategy<Value = Message> {
             finite(),
             1u32..64,
             arb_manifest(),
-            proptest::collection::btree_map("[a-z_]{1,12}", finite(), 0..4)
+            proptest::collection::btree_map("[a-z_]{1,12}", finite(), 0..4),
+            prop_oneof![Just(Vec::new()), proptest::collection::vec(any::<u8>(), 64)]
         )
-            .prop_map(|(round, selected, local_steps, lr, beta, batch_pairs, global_model, strategy)| {
-                Message::Plan(RoundPlan {
-                    round,
-                    selected,
-                    hyper: Hyperparameters { method: "pfeddpo".into(), local_steps, lr, beta, batch_pairs },
-                    strategy,
-                    model_spec: r#"{"config":{}}"#.into(),
-                    global_model,
-                    sections: Default::default(),
-                })
-            }),
+            .prop_map(
+                |(round, selected, local_steps, lr, beta, batch_pairs, global_model, strategy, signature)| {
+                    Message::Plan(RoundPlan {
+                        round,
+                        selected,
+                        hyper: Hyperparameters { method: "pfeddpo".into(), local_steps, lr, beta, batch_pairs },
+                        strategy,
+                        model_spec: r#"{"config":{}}"#.into(),
+                        global_model,
+                        sections: Default::default(),
+                        signature,
+                    })
+                }
+            ),
         (any::<u64>(), name(), any::<u64>(), arb_metrics(), arb_manifest()).prop_map(
             |(round, device, pairs, metrics, update)| Message::Update(Update {
                 round,
@@ -162,6 +166,7 @@ fn plan_with_non_finite_learning_rate_is_refused() {
         model_spec: String::new(),
         global_model: manifest("r1/global", 4, 1),
         sections: Default::default(),
+        signature: Vec::new(),
     });
     let err = Message::decode(&msg.encode(), &Limits::default()).unwrap_err();
     assert!(err.to_string().contains("lr"), "{err}");
@@ -177,6 +182,7 @@ fn plan_with_an_oversized_model_spec_is_refused_naming_the_field() {
         model_spec: "x".repeat(100 << 10),
         global_model: manifest("r1/global", 4, 1),
         sections: Default::default(),
+        signature: Vec::new(),
     });
     let err = Message::decode(&msg.encode(), &Limits::default()).unwrap_err().to_string();
     assert!(err.contains("model_spec") && err.contains("65536"), "{err}");

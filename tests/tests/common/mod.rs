@@ -164,6 +164,7 @@ pub fn start_devices(
                 compute: Device::Cpu,
                 max_memory_mib: None,
                 compute_dtype: candle_core::DType::F32,
+                trusted_key: None,
                 stop: Arc::new(AtomicBool::new(false)),
             };
             std::thread::spawn(move || {

@@ -1,0 +1,202 @@
+//! Signed round plans.
+//!
+//! The aggregator signs every plan it publishes with an Ed25519 key; a device that pins the
+//! matching public key (`fedpo-device run --trust-key`) trains only on plans whose
+//! signature verifies. The plan names the SHA-256 of the global model and of every section,
+//! and devices check each transfer against those digests, so one signature covers the
+//! model too. The signed bytes are the plan's CBOR with an empty signature, behind a
+//! domain tag, so a signature can never be replayed as anything else.
+
+use std::path::Path;
+
+use ring::signature::{Ed25519KeyPair, KeyPair, UnparsedPublicKey, ED25519};
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::PrivatePkcs8KeyDer;
+use thiserror::Error;
+
+use crate::message::RoundPlan;
+
+/// What the signature covers is announced by this prefix.
+const DOMAIN: &[u8] = b"fedpo round plan v1\0";
+
+/// Why a plan or a key was refused.
+#[derive(Debug, Error, PartialEq)]
+pub enum SignatureError {
+    /// The plan carries no signature.
+    #[error("round {round}: the plan is not signed")]
+    Unsigned {
+        /// The plan's round.
+        round: u64,
+    },
+    /// The signature does not match the plan and the pinned key.
+    #[error(
+        "round {round}: the plan's signature does not verify with the trusted key (tampered, or signed by another key)"
+    )]
+    Invalid {
+        /// The plan's round.
+        round: u64,
+    },
+    /// A key file or string that cannot be used.
+    #[error("{0}")]
+    Key(String),
+}
+
+fn signed_bytes(plan: &RoundPlan) -> Vec<u8> {
+    let unsigned = RoundPlan { signature: Vec::new(), ..plan.clone() };
+    let mut bytes = DOMAIN.to_vec();
+    bytes.extend(serde_cbor::to_vec(&unsigned).expect("a plan always encodes"));
+    bytes
+}
+
+/// The aggregator's signing key.
+pub struct PlanSigner {
+    key: Ed25519KeyPair,
+}
+
+impl std::fmt::Debug for PlanSigner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "PlanSigner({})", self.public_key_hex())
+    }
+}
+
+impl PlanSigner {
+    /// Reads a PEM PKCS#8 Ed25519 private key, as `openssl genpkey -algorithm ed25519` or
+    /// `security/make-certs.sh` writes it.
+    pub fn from_pem_file(path: &Path) -> Result<Self, SignatureError> {
+        let pem = std::fs::read(path).map_err(|e| SignatureError::Key(format!("reading {}: {e}", path.display())))?;
+        let der = PrivatePkcs8KeyDer::from_pem_slice(&pem)
+            .map_err(|e| SignatureError::Key(format!("{}: not a PEM PKCS#8 private key ({e:?})", path.display())))?;
+        let key = Ed25519KeyPair::from_pkcs8_maybe_unchecked(der.secret_pkcs8_der())
+            .map_err(|e| SignatureError::Key(format!("{}: not an Ed25519 key ({e})", path.display())))?;
+        Ok(Self { key })
+    }
+
+    /// The public key devices pin, as 64 hex digits.
+    pub fn public_key_hex(&self) -> String {
+        hex::encode(self.key.public_key().as_ref())
+    }
+
+    /// Signs `plan` in place (replacing any signature it had).
+    pub fn sign(&self, plan: &mut RoundPlan) {
+        plan.signature = self.key.sign(&signed_bytes(plan)).as_ref().to_vec();
+    }
+}
+
+/// A device's pinned aggregator key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlanVerifier {
+    key: [u8; 32],
+}
+
+impl PlanVerifier {
+    /// From 64 hex digits, or a file holding them.
+    pub fn parse(hex_or_file: &str) -> Result<Self, SignatureError> {
+        let text = match std::fs::read_to_string(hex_or_file) {
+            Ok(contents) => contents,
+            Err(_) => hex_or_file.to_string(),
+        };
+        let bytes = hex::decode(text.trim()).map_err(|_| {
+            SignatureError::Key(format!("trusted key `{hex_or_file}`: expected 64 hex digits or a file holding them"))
+        })?;
+        let key: [u8; 32] = bytes.try_into().map_err(|b: Vec<u8>| {
+            SignatureError::Key(format!("trusted key `{hex_or_file}`: {} bytes, an Ed25519 public key has 32", b.len()))
+        })?;
+        Ok(Self { key })
+    }
+
+    /// Checks `plan`'s signature.
+    pub fn verify(&self, plan: &RoundPlan) -> Result<(), SignatureError> {
+        if plan.signature.is_empty() {
+            return Err(SignatureError::Unsigned { round: plan.round });
+        }
+        UnparsedPublicKey::new(&ED25519, self.key)
+            .verify(&signed_bytes(plan), &plan.signature)
+            .map_err(|_| SignatureError::Invalid { round: plan.round })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::message::Hyperparameters;
+    use crate::split_payload;
+    use crate::tensor::TensorPayload;
+
+    /// A throwaway key made with `openssl genpkey -algorithm ed25519`, and its public key
+    /// as openssl prints it (`openssl pkey -pubout -outform DER | tail -c 32`).
+    const OPENSSL_KEY: &str = "-----BEGIN PRIVATE KEY-----
+MC4CAQAwBQYDK2VwBCIEIIcSE7MhiSE7IWxuP8sbDD87cpHdl64u81Gdu9NQyFIE
+-----END PRIVATE KEY-----
+";
+    const OPENSSL_PUBLIC: &str = "86097512ece3402cf85900ab608bad73f57143416597c16a5aa4374c090cb58c";
+
+    fn signer(dir: &Path, name: &str) -> PlanSigner {
+        let path = dir.join(name);
+        std::fs::write(&path, OPENSSL_KEY).unwrap();
+        PlanSigner::from_pem_file(&path).unwrap()
+    }
+
+    fn random_signer() -> PlanSigner {
+        let pkcs8 = Ed25519KeyPair::generate_pkcs8(&ring::rand::SystemRandom::new()).unwrap();
+        PlanSigner { key: Ed25519KeyPair::from_pkcs8(pkcs8.as_ref()).unwrap() }
+    }
+
+    fn plan() -> RoundPlan {
+        let (manifest, _) = split_payload("r1", &TensorPayload { tensors: Vec::new() }, 1 << 20);
+        RoundPlan {
+            round: 1,
+            selected: vec!["pi-7".into()],
+            hyper: Hyperparameters { method: "pfeddpo".into(), local_steps: 2, lr: 0.1, beta: 0.2, batch_pairs: 8 },
+            strategy: Default::default(),
+            model_spec: "{}".into(),
+            global_model: manifest,
+            sections: Default::default(),
+            signature: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn a_signed_plan_verifies_and_any_change_to_it_does_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = signer(dir.path(), "agg.key");
+        assert_eq!(s.public_key_hex(), OPENSSL_PUBLIC, "the same public key as openssl derives");
+        let verifier = PlanVerifier::parse(&s.public_key_hex()).unwrap();
+        let mut p = plan();
+        assert_eq!(verifier.verify(&p), Err(SignatureError::Unsigned { round: 1 }));
+        s.sign(&mut p);
+        assert_eq!(verifier.verify(&p), Ok(()));
+
+        let mut tampered = p.clone();
+        tampered.global_model.sha256[0] ^= 1; // another model
+        assert_eq!(verifier.verify(&tampered), Err(SignatureError::Invalid { round: 1 }));
+        let mut tampered = p.clone();
+        tampered.hyper.lr = 10.0;
+        assert_eq!(verifier.verify(&tampered), Err(SignatureError::Invalid { round: 1 }));
+        let mut tampered = p.clone();
+        tampered.selected.push("pi-8".into());
+        assert_eq!(verifier.verify(&tampered), Err(SignatureError::Invalid { round: 1 }));
+
+        // A plan signed by another key does not verify either.
+        let other = random_signer();
+        let mut forged = plan();
+        other.sign(&mut forged);
+        assert_eq!(verifier.verify(&forged), Err(SignatureError::Invalid { round: 1 }));
+    }
+
+    #[test]
+    fn trusted_keys_parse_from_hex_or_a_file_and_bad_ones_say_why() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = signer(dir.path(), "agg.key");
+        let file = dir.path().join("agg.pub");
+        std::fs::write(&file, format!("{}\n", s.public_key_hex())).unwrap();
+        assert_eq!(PlanVerifier::parse(file.to_str().unwrap()), PlanVerifier::parse(&s.public_key_hex()));
+        let short = PlanVerifier::parse("abcd").unwrap_err().to_string();
+        assert!(short.contains("2 bytes, an Ed25519 public key has 32"), "{short}");
+        let junk = PlanVerifier::parse("not-hex").unwrap_err().to_string();
+        assert!(junk.contains("64 hex digits"), "{junk}");
+        let bad_pem = dir.path().join("bad.key");
+        std::fs::write(&bad_pem, "hello").unwrap();
+        let e = PlanSigner::from_pem_file(&bad_pem).unwrap_err().to_string();
+        assert!(e.contains("bad.key") && e.contains("PEM"), "{e}");
+    }
+}
