@@ -110,6 +110,10 @@ pub(crate) struct JobArgs {
     /// plans and models that do not verify.
     #[arg(long, value_name = "FILE")]
     pub(crate) signing_key: Option<std::path::PathBuf>,
+    /// Refuse an update whose L2 norm exceeds this (a bound on how far one device can move
+    /// the model; refused updates are logged and recorded under `rejected`).
+    #[arg(long, value_name = "NORM")]
+    pub(crate) max_update_norm: Option<f64>,
     /// Seed of the model init and of device selection.
     #[arg(long, default_value_t = 0)]
     pub(crate) seed: u64,
@@ -170,6 +174,11 @@ impl JobArgs {
         for (flag, v) in [("--prox-mu", self.prox_mu), ("--fedga-lambda", self.fedga_lambda)] {
             if !(v.is_finite() && v >= 0.0) {
                 bail!("{flag} must be a non-negative number, got {v}");
+            }
+        }
+        if let Some(v) = self.max_update_norm {
+            if !(v.is_finite() && v > 0.0) {
+                bail!("--max-update-norm must be a positive number, got {v}");
             }
         }
         if !(self.fedga_fd_step.is_finite() && self.fedga_fd_step > 0.0) {

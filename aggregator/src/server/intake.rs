@@ -93,6 +93,7 @@ impl Server {
                         Err(e) => {
                             tracing::warn!(%device, error = %e, "update refused");
                             open.rejected.insert(device.to_string(), e.to_string());
+                            open.refused.insert(device.to_string());
                         }
                     }
                 }
@@ -111,6 +112,13 @@ impl Server {
         WeightedSum::check(&self.global, &delta)?;
         if delta.tensors.is_empty() && !open.evaluation {
             bail!("an empty update in a training round")
+        }
+        if let Some(max) = self.job.max_update_norm {
+            let norm =
+                delta.tensors.iter().flat_map(|t| t.values()).map(|v| f64::from(v) * f64::from(v)).sum::<f64>().sqrt();
+            if norm > max {
+                bail!("update norm {norm:.6} exceeds --max-update-norm {max}");
+            }
         }
         let mut sections = Vec::new();
         for (name, b) in &bytes.sections {

@@ -68,6 +68,9 @@ struct OpenRound {
     diagnostics: Option<Diagnostics>,
     diagnostics_bytes: u64,
     rejected: BTreeMap<String, String>,
+    /// Devices whose complete, intact update was refused: resending would send the same
+    /// bytes, so the round stops waiting for them.
+    refused: BTreeSet<String>,
     bytes_up: u64,
     bytes_down: u64,
 }
@@ -290,6 +293,7 @@ impl Server {
             diagnostics: (training && self.job.diagnostics).then(|| Diagnostics::new(&self.global)),
             diagnostics_bytes: 0,
             rejected: BTreeMap::new(),
+            refused: BTreeSet::new(),
             bytes_up: 0,
             bytes_down: 0,
         };
@@ -297,7 +301,11 @@ impl Server {
         self.publish_plan(&mut open)?;
         let deadline = Instant::now() + Duration::from_secs(self.job.round_deadline);
         loop {
-            let missing: Vec<&String> = open.selected.iter().filter(|d| !open.reported.contains_key(*d)).collect();
+            let missing: Vec<&String> = open
+                .selected
+                .iter()
+                .filter(|d| !open.reported.contains_key(*d) && !open.refused.contains(*d))
+                .collect();
             if missing.is_empty() {
                 break;
             }
