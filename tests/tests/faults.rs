@@ -1,0 +1,207 @@
+//! Fault scenarios at the aggregator, each checked against the aggregate of the updates it
+//! accepted: duplicated QoS 1 deliveries count once, an update holding NaN is refused, and
+//! an update that arrives for an old round changes nothing.
+
+mod common;
+
+use std::collections::{BTreeMap, HashSet};
+use std::time::{Duration, Instant};
+
+use candle_core::Device;
+use common::{decode_rounds, tensor_values, Wiretap};
+use fedpo_data::synthetic::{generate_device, SyntheticSpec};
+use fedpo_model::io::read_safetensors;
+use fedpo_transport::{BrokerUrl, EmbeddedBroker, LinkEvent, LinkOptions, MqttLink, Topics};
+use fedpo_wire::{
+    split_payload, DeviceHello, Limits, Message, RoundPlan, TensorPayload, ToWire, Update, UpdateMetrics, WireDType,
+    DEFAULT_CHUNK_BYTES,
+};
+
+const JOB: &str = "faults";
+const FAKE: &str = "dev-x";
+
+/// A tensor the fake device makes up.
+struct Made(String, Vec<u64>, Vec<f32>);
+
+impl ToWire for Made {
+    fn wire_name(&self) -> &str {
+        &self.0
+    }
+    fn wire_shape(&self) -> Vec<u64> {
+        self.1.clone()
+    }
+    fn wire_values(&self) -> &[f32] {
+        &self.2
+    }
+}
+
+/// A device that speaks the protocol but sends what the test tells it to.
+struct FakeDevice {
+    link: MqttLink,
+    topics: Topics,
+}
+
+impl FakeDevice {
+    fn join(url: &BrokerUrl) -> Self {
+        let link = MqttLink::connect(url, &LinkOptions::new("fake-device")).unwrap();
+        let topics = Topics::new(JOB).unwrap();
+        link.subscribe(&topics.down()).unwrap();
+        Self { link, topics }
+    }
+
+    /// The next plan that selects the fake device, saying hello every 2 s meanwhile (the
+    /// aggregator may not be listening yet), as a real device does.
+    fn plan(&self) -> RoundPlan {
+        let hello = Message::Hello(DeviceHello { device: FAKE.into(), pairs: 4, backend: "cpu".into(), memory_mb: 0 });
+        let deadline = Instant::now() + Duration::from_secs(120);
+        let mut last_hello: Option<Instant> = None;
+        while Instant::now() < deadline {
+            if last_hello.is_none_or(|t| t.elapsed() > Duration::from_secs(2)) {
+                self.link.publish(&self.topics.up(FAKE), hello.encode()).unwrap();
+                last_hello = Some(Instant::now());
+            }
+            if let Ok(Some(LinkEvent::Message(d))) = self.link.recv_timeout(Duration::from_millis(100)) {
+                if let Ok(Message::Plan(p)) = Message::decode(&d.payload, &Limits::default()) {
+                    if p.selected.iter().any(|s| s == FAKE) {
+                        return p;
+                    }
+                }
+            }
+        }
+        panic!("no plan selected {FAKE}");
+    }
+
+    /// An update for `round` shaped like the plan's shared set, every value `value`.
+    fn send(&self, plan: &RoundPlan, round: u64, value: f32) {
+        let tensors: Vec<Made> = plan
+            .global_model
+            .tensors
+            .iter()
+            .filter(|t| !t.name.starts_with("wte.") && !t.name.starts_with("wpe."))
+            .map(|t| Made(t.name.clone(), t.shape.clone(), vec![value; t.shape.iter().product::<u64>() as usize]))
+            .collect();
+        let payload = TensorPayload::encode(&tensors, WireDType::F32);
+        let (manifest, chunks) = split_payload(&format!("r{round}/{FAKE}"), &payload, DEFAULT_CHUNK_BYTES);
+        let metrics = UpdateMetrics {
+            train_loss: 0.5,
+            reward_acc: 0.5,
+            heldout_acc: None,
+            grad_norm: 1.0,
+            seconds: 0.1,
+            peak_rss_mib: None,
+        };
+        let update =
+            Update { round, device: FAKE.into(), pairs: 4, metrics, update: manifest, sections: Default::default() };
+        self.link.publish(&self.topics.up(FAKE), Message::Update(update).encode()).unwrap();
+        for c in chunks {
+            self.link.publish(&self.topics.up(FAKE), Message::Chunk(c).encode()).unwrap();
+        }
+    }
+}
+
+/// Publishes every message a device sends a second time, as a broker's QoS 1 redelivery
+/// would.
+fn duplicate_everything_from(url: &BrokerUrl, device: &str) -> std::thread::JoinHandle<()> {
+    let link = MqttLink::connect(url, &LinkOptions::new("duplicator")).unwrap();
+    let topic = Topics::new(JOB).unwrap().up(device);
+    link.subscribe(&topic).unwrap();
+    std::thread::spawn(move || {
+        let mut seen = HashSet::new();
+        let quiet_since = Instant::now();
+        let mut last = quiet_since;
+        while last.elapsed() < Duration::from_secs(60) {
+            if let Ok(Some(LinkEvent::Message(d))) = link.recv_timeout(Duration::from_millis(100)) {
+                last = Instant::now();
+                if seen.insert(d.payload.clone()) {
+                    link.publish(&topic, d.payload).unwrap();
+                }
+            }
+        }
+    })
+}
+
+#[test]
+fn duplicates_count_once_a_nan_update_is_refused_and_a_late_update_changes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let broker = EmbeddedBroker::start_on_free_port().unwrap();
+    let url = broker.url();
+    let tap = Wiretap::start(&url, "fedpo/#");
+    let _duplicator = duplicate_everything_from(&url, "dev-0");
+    let out = dir.path().join("aggregator");
+    let aggregator = {
+        let extra = ["--rounds", "2", "--local-steps", "1", "--no-final-eval", "--round-deadline", "15"];
+        let args = common::serve_args(&url, JOB, &out, &extra);
+        std::thread::spawn(move || fedpo_aggregator::run_cli(args))
+    };
+    let fake = FakeDevice::join(&url);
+    let spec = SyntheticSpec { heterogeneity: 1.0, train_pairs: 6, heldout_pairs: 4, seed: 0 };
+    let shards = (0..2)
+        .map(|k| {
+            let mut d = generate_device(&spec, k).unwrap();
+            d.train.truncate(if k == 0 { 4 } else { 6 }); // unequal pair weights
+            (d.train, d.heldout)
+        })
+        .collect();
+    let devices = common::start_devices(&url, JOB, dir.path(), shards, 48);
+
+    let round1 = fake.plan();
+    fake.send(&round1, 1, f32::NAN);
+    let round2 = fake.plan();
+    assert_eq!(round2.round, 2);
+    fake.send(&round2, 1, 0.25); // late: stamped for round 1, sent during round 2
+    aggregator.join().unwrap().expect("the aggregator finishes the job");
+    devices.into_iter().for_each(|d| d.join().unwrap());
+
+    let records: Vec<serde_json::Value> = std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let r1 = &records[0];
+    assert_eq!(r1["participants"], serde_json::json!(["dev-0", "dev-1"]));
+    let reason = r1["rejected"][FAKE].as_str().expect("the NaN update is recorded as rejected");
+    assert!(reason.contains("non-finite") || reason.contains("NaN"), "{reason}");
+    assert_eq!(records[1]["participants"], serde_json::json!(["dev-0", "dev-1"]), "the late update did not count");
+
+    // Each new global model is the pair-weighted mean of dev-0's and dev-1's (global +
+    // delta), each counted once, recomputed from the wire in f64.
+    let heard = tap.stop();
+    let duplicated = heard.iter().filter(|d| d.topic.ends_with("/up/dev-0")).count();
+    let distinct: HashSet<&Vec<u8>> =
+        heard.iter().filter(|d| d.topic.ends_with("/up/dev-0")).map(|d| &d.payload).collect();
+    assert!(
+        duplicated >= 2 * distinct.len() - 1,
+        "dev-0's messages were delivered twice ({duplicated} of {})",
+        distinct.len()
+    );
+    let rounds = decode_rounds(&heard);
+    let checkpoint = read_safetensors(&out.join("checkpoint/global.safetensors"), &Device::Cpu).unwrap();
+    for r in 1..=2u64 {
+        let this = &rounds[&r];
+        let global = this.global.as_ref().expect("the round's model on the wire");
+        let real: BTreeMap<&str, &(u64, TensorPayload)> =
+            this.updates.iter().filter(|(d, _)| d.as_str() != FAKE).map(|(d, u)| (d.as_str(), u)).collect();
+        assert_eq!(real.keys().copied().collect::<Vec<_>>(), ["dev-0", "dev-1"]);
+        let total: f64 = real.values().map(|(p, _)| *p as f64).sum();
+        let mut worst = 0.0f64;
+        for t in &real["dev-0"].1.tensors {
+            let name = t.name();
+            let g = tensor_values(global, name);
+            let mut expected = vec![0.0f64; g.len()];
+            for (pairs, delta) in real.values() {
+                for ((e, gv), dv) in expected.iter_mut().zip(&g).zip(tensor_values(delta, name)) {
+                    *e += *pairs as f64 * (f64::from(*gv) + f64::from(dv)) / total;
+                }
+            }
+            let actual: Vec<f32> = if r == 2 {
+                checkpoint.tensors.tensors[name].flatten_all().unwrap().to_vec1().unwrap()
+            } else {
+                tensor_values(rounds[&2].global.as_ref().unwrap(), name)
+            };
+            for (e, a) in expected.iter().zip(&actual) {
+                worst = worst.max((e - f64::from(*a)).abs());
+            }
+        }
+        assert!(worst <= 1e-6, "round {r}: the global model differs from the accepted updates' mean by {worst:e}");
+    }
+}
