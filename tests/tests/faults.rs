@@ -1,6 +1,7 @@
 //! Fault scenarios at the aggregator, each checked against the aggregate of the updates it
-//! accepted: duplicated QoS 1 deliveries count once, an update holding NaN is refused, and
-//! an update that arrives for an old round changes nothing.
+//! accepted: duplicated QoS 1 deliveries count once, an update holding NaN is refused, an
+//! update that arrives for an old round changes nothing, and a corrupted chunk (hash
+//! mismatch) keeps its update out.
 
 mod common;
 
@@ -71,8 +72,9 @@ impl FakeDevice {
         panic!("no plan selected {FAKE}");
     }
 
-    /// An update for `round` shaped like the plan's shared set, every value `value`.
-    fn send(&self, plan: &RoundPlan, round: u64, value: f32) {
+    /// An update for `round` shaped like the plan's shared set, every value `value`; with
+    /// `corrupt`, one byte of its last chunk is flipped in transit.
+    fn send(&self, plan: &RoundPlan, round: u64, value: f32, corrupt: bool) {
         let tensors: Vec<Made> = plan
             .global_model
             .tensors
@@ -81,7 +83,12 @@ impl FakeDevice {
             .map(|t| Made(t.name.clone(), t.shape.clone(), vec![value; t.shape.iter().product::<u64>() as usize]))
             .collect();
         let payload = TensorPayload::encode(&tensors, WireDType::F32);
-        let (manifest, chunks) = split_payload(&format!("r{round}/{FAKE}"), &payload, DEFAULT_CHUNK_BYTES);
+        let (manifest, mut chunks) = split_payload(&format!("r{round}/{FAKE}"), &payload, DEFAULT_CHUNK_BYTES);
+        if corrupt {
+            let last = chunks.last_mut().expect("at least one chunk");
+            let middle = last.bytes.len() / 2;
+            last.bytes[middle] ^= 0x5a;
+        }
         let metrics = UpdateMetrics {
             train_loss: 0.5,
             reward_acc: 0.5,
@@ -121,7 +128,7 @@ fn duplicate_everything_from(url: &BrokerUrl, device: &str) -> std::thread::Join
 }
 
 #[test]
-fn duplicates_count_once_a_nan_update_is_refused_and_a_late_update_changes_nothing() {
+fn duplicates_count_once_and_nan_late_or_corrupted_updates_change_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let broker = EmbeddedBroker::start_on_free_port().unwrap();
     let url = broker.url();
@@ -145,10 +152,11 @@ fn duplicates_count_once_a_nan_update_is_refused_and_a_late_update_changes_nothi
     let devices = common::start_devices(&url, JOB, dir.path(), shards, 48);
 
     let round1 = fake.plan();
-    fake.send(&round1, 1, f32::NAN);
+    fake.send(&round1, 1, f32::NAN, false);
     let round2 = fake.plan();
     assert_eq!(round2.round, 2);
-    fake.send(&round2, 1, 0.25); // late: stamped for round 1, sent during round 2
+    fake.send(&round2, 1, 0.25, false); // late: stamped for round 1, sent during round 2
+    fake.send(&round2, 2, 0.25, true); // this round's, with a corrupted chunk
     aggregator.join().unwrap().expect("the aggregator finishes the job");
     devices.into_iter().for_each(|d| d.join().unwrap());
 
@@ -161,7 +169,9 @@ fn duplicates_count_once_a_nan_update_is_refused_and_a_late_update_changes_nothi
     assert_eq!(r1["participants"], serde_json::json!(["dev-0", "dev-1"]));
     let reason = r1["rejected"][FAKE].as_str().expect("the NaN update is recorded as rejected");
     assert!(reason.contains("non-finite") || reason.contains("NaN"), "{reason}");
-    assert_eq!(records[1]["participants"], serde_json::json!(["dev-0", "dev-1"]), "the late update did not count");
+    assert_eq!(records[1]["participants"], serde_json::json!(["dev-0", "dev-1"]), "neither fake update counted");
+    let reason = records[1]["rejected"][FAKE].as_str().expect("the corrupted transfer is recorded as rejected");
+    assert!(reason.contains("hash mismatch"), "{reason}");
 
     // Each new global model is the pair-weighted mean of dev-0's and dev-1's (global +
     // delta), each counted once, recomputed from the wire in f64.
