@@ -51,18 +51,47 @@ impl WeightedSum {
 
     /// Adds `weight · update` (call [`WeightedSum::check`] first).
     pub(crate) fn add(&mut self, update: &TensorPayload, weight: f64) {
+        self.add_scaled(update, weight, 1.0);
+    }
+
+    /// Adds `weight · scale · update`, counting `weight` toward the mean's denominator (a
+    /// clipped update keeps its weight).
+    pub(crate) fn add_scaled(&mut self, update: &TensorPayload, weight: f64, scale: f64) {
         if update.tensors.is_empty() {
             return;
         }
+        let factor = weight * scale;
         for t in &update.tensors {
             if let Some(sum) = self.sums.get_mut(t.name()) {
                 for (s, v) in sum.iter_mut().zip(t.values()) {
-                    *s += weight * f64::from(v);
+                    *s += factor * f64::from(v);
                 }
             }
         }
         self.weight += weight;
         self.count += 1;
+    }
+
+    /// A sum whose mean is `mean` (flattened in the shared set's order), as if `count`
+    /// updates of weight 1 had produced it: a robust rule's result, handed to the
+    /// strategy like any mean.
+    pub(crate) fn from_mean(model: &GlobalModel, mean: &[f64], count: usize) -> Self {
+        let mut offset = 0;
+        let mut sums = HashMap::new();
+        for t in model.shared() {
+            let n = t.values.len();
+            sums.insert(t.name.clone(), mean[offset..offset + n].iter().map(|v| v * count as f64).collect());
+            offset += n;
+        }
+        Self { sums, weight: count as f64, count }
+    }
+
+    /// Adds `draw()` to every coordinate of the sum (DP noise, before the division).
+    pub(crate) fn perturb(&mut self, mut draw: impl FnMut() -> f64) {
+        if self.count == 0 {
+            return; // nothing is released without an update
+        }
+        self.sums.values_mut().flatten().for_each(|s| *s += draw());
     }
 
     /// Updates folded in so far (empty ones excluded).

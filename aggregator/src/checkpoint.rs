@@ -12,6 +12,7 @@ use fedpo_model::io::write_atomic;
 use serde::{Deserialize, Serialize};
 
 use crate::global_model::GlobalModel;
+use crate::privacy::RdpAccountant;
 
 /// A registered device.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -43,6 +44,9 @@ pub(crate) struct ServerState {
     /// The client term's state (SCAFFOLD's c, FedGA's r).
     #[serde(default, with = "serde_bytes")]
     pub(crate) client_term_state: Vec<u8>,
+    /// The privacy accountant, with --dp-noise-multiplier.
+    #[serde(default)]
+    pub(crate) privacy: Option<RdpAccountant>,
 }
 
 pub(crate) const STATE_FORMAT: &str = "fedpo-server-state/1";
@@ -125,6 +129,7 @@ mod tests {
             bytes_up: 10,
             bytes_down: 20,
             client_term_state: vec![4, 5],
+            privacy: None,
         }
     }
 

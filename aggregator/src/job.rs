@@ -9,6 +9,7 @@ use fedpo_model::checkpoint::load_hf_dir;
 use fedpo_model::{Gpt2Config, LoraConfig, LoraTargets, Partition, Policy, PolicySpec};
 
 use crate::adaptive::{Adaptivity, FedAdaptive};
+use crate::aggregation::AggregationArgs;
 use crate::client_term::{resolve_layer_weights, ClientTerm, ClientTermKind, FedgaSettings};
 use crate::global_model::GlobalModel;
 use crate::method::Method;
@@ -114,6 +115,8 @@ pub(crate) struct JobArgs {
     /// the model; refused updates are logged and recorded under `rejected`).
     #[arg(long, value_name = "NORM")]
     pub(crate) max_update_norm: Option<f64>,
+    #[command(flatten)]
+    pub(crate) aggregation: AggregationArgs,
     /// Seed of the model init and of device selection.
     #[arg(long, default_value_t = 0)]
     pub(crate) seed: u64,
@@ -193,6 +196,15 @@ impl JobArgs {
         for (flag, v) in [("--server-beta1", self.server_beta1), ("--server-beta2", self.server_beta2)] {
             if !(0.0..1.0).contains(&v) {
                 bail!("{flag} must be in [0, 1), got {v}");
+            }
+        }
+        self.aggregation.validate(self.per_round)?;
+        if self.aggregation.private() {
+            if self.diagnostics {
+                bail!("--diagnostics publishes per-device gradient statistics that --dp-noise-multiplier does not cover; drop one");
+            }
+            if self.client_term == ClientTermKind::Scaffold {
+                bail!("SCAFFOLD averages control variates without noise, outside the DP guarantee; --dp-noise-multiplier refuses --client-term scaffold");
             }
         }
         Ok(())

@@ -10,6 +10,7 @@
 
 mod accumulator;
 mod adaptive;
+mod aggregation;
 mod broker_args;
 mod checkpoint;
 mod client_term;
@@ -20,6 +21,8 @@ mod job;
 mod method;
 mod metrics;
 mod plots;
+mod privacy;
+mod robust;
 mod server;
 mod simulate;
 mod strategy;

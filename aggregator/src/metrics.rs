@@ -51,6 +51,11 @@ pub(crate) struct RoundRecord {
     pub(crate) seconds: f64,
     /// Updates refused, with the reason.
     pub(crate) rejected: BTreeMap<String, String>,
+    /// Updates scaled down to --clip-norm.
+    pub(crate) clipped: usize,
+    /// With --dp-noise-multiplier: ε spent so far at `dp_delta`, by the RDP accountant.
+    pub(crate) dp_epsilon: Option<f64>,
+    pub(crate) dp_delta: Option<f64>,
 }
 
 /// The job's outcome.

@@ -15,6 +15,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::Device;
 use clap::Args;
 use fedpo_data::synthetic::{generate_device, SyntheticSpec};
+use fedpo_device::adversary::Adversary;
 use fedpo_device::participant::{self, ParticipantConfig};
 use fedpo_transport::{BrokerUrl, LinkOptions, MqttLink, TlsFiles};
 use fedpo_wire::{PlanSigner, PlanVerifier};
@@ -55,6 +56,14 @@ pub(crate) struct SimulateArgs {
     /// Continue the checkpoint in --out.
     #[arg(long)]
     pub(crate) resume: bool,
+    /// Make the first K devices Byzantine: they train honestly and upload a poisoned
+    /// update (see --attack). For testing --aggregation.
+    #[arg(long, value_name = "K", default_value_t = 0)]
+    pub(crate) attackers: usize,
+    /// What attackers upload instead of Δ: sign-flip[:FACTOR] (−FACTOR·Δ, FACTOR 1 by
+    /// default) or scale:FACTOR (FACTOR·Δ).
+    #[arg(long, default_value = "sign-flip")]
+    pub(crate) attack: Adversary,
 }
 
 enum Fleet {
@@ -147,7 +156,7 @@ impl SimulateArgs {
             shards.push((CENTRAL_ID.to_string(), train, heldout));
         }
         let mut handles = Vec::with_capacity(shards.len());
-        for (id, train, heldout) in shards {
+        for (k, (id, train, heldout)) in shards.into_iter().enumerate() {
             let cfg = ParticipantConfig {
                 broker: url.clone(),
                 tls: tls.clone(),
@@ -161,6 +170,7 @@ impl SimulateArgs {
                 max_memory_mib: None,
                 compute_dtype: candle_core::DType::F32,
                 trusted_key: trusted_key.as_deref().map(PlanVerifier::parse).transpose()?,
+                adversary: (k < self.attackers).then_some(self.attack),
                 stop: stop.clone(),
             };
             handles.push(std::thread::Builder::new().name(id).spawn(move || participant::run(cfg))?);
@@ -172,6 +182,12 @@ impl SimulateArgs {
 pub(crate) fn run(args: SimulateArgs) -> Result<Summary> {
     if args.devices == 0 {
         bail!("--devices must be at least 1");
+    }
+    if args.attackers > args.devices {
+        bail!("--attackers {} exceeds --devices {}", args.attackers, args.devices);
+    }
+    if args.attackers > 0 && (args.processes || args.job.method == Method::Centralized) {
+        bail!("--attackers runs in-process devices of a federated method; drop --processes or --method centralized");
     }
     let mut job = args.job.clone();
     if job.method == Method::Centralized {
@@ -199,6 +215,14 @@ pub(crate) fn run(args: SimulateArgs) -> Result<Summary> {
         "simulating {} devices ({} per round) for {} rounds of {} on {} via {url}",
         args.devices, job.per_round, job.rounds, job.method, job.model
     );
+    if args.attackers > 0 {
+        println!(
+            "dev-0 to dev-{} attack ({}); aggregation {}",
+            args.attackers - 1,
+            args.attack,
+            job.aggregation.aggregation.name()
+        );
+    }
     let fleet = args.spawn_fleet(&url, &tls)?;
     let result = server.run();
     finish_fleet(fleet, Duration::from_secs(60));

@@ -61,6 +61,7 @@ fn aggregator_restarted_with_resume_continues_at_the_next_round_from_the_checkpo
                 max_memory_mib: None,
                 compute_dtype: candle_core::DType::F32,
                 trusted_key: None,
+                adversary: None,
                 stop: stop.clone(),
             };
             std::thread::spawn(move || participant::run(cfg))

@@ -36,6 +36,7 @@ fn device_over_its_memory_budget_leaves_the_job_before_downloading_the_model() {
         max_memory_mib: Some(1500),
         compute_dtype: candle_core::DType::F32,
         trusted_key: None,
+        adversary: None,
         stop: Arc::new(AtomicBool::new(false)),
     };
     let device = std::thread::spawn(move || participant::run(cfg));

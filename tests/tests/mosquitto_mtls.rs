@@ -158,6 +158,7 @@ fn fleet_runs_through_mosquitto_with_mtls_and_a_device_cannot_publish_as_another
                 max_memory_mib: None,
                 compute_dtype: candle_core::DType::F32,
                 trusted_key: None,
+                adversary: None,
                 stop: Arc::new(AtomicBool::new(false)),
             };
             std::thread::spawn(move || participant::run(cfg).expect("device runs to the end of the job"))

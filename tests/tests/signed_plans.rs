@@ -66,6 +66,7 @@ fn devices_train_only_on_plans_signed_by_the_key_they_pin() {
                 max_memory_mib: None,
                 compute_dtype: candle_core::DType::F32,
                 trusted_key: Some(PlanVerifier::parse(pinned).unwrap()),
+                adversary: None,
                 stop: Arc::new(AtomicBool::new(false)),
             };
             std::thread::spawn(move || participant::run(cfg).expect("device leaves when the job ends"))

@@ -74,7 +74,7 @@ impl Server {
                     let (update, _) = open.transfers.remove(device).expect("transfer present");
                     match self.verify(open, &bytes) {
                         Ok((delta, sections)) => {
-                            open.sum.add(&delta, update.pairs as f64);
+                            open.updates.add(&delta, update.pairs as f64);
                             for (name, payload) in &sections {
                                 if name == keys::DIAGNOSTIC_GRADIENT {
                                     if let Some(d) = open.diagnostics.as_mut() {

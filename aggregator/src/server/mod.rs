@@ -21,12 +21,14 @@ use rand::seq::SliceRandom;
 use rand::SeedableRng;
 
 use crate::accumulator::WeightedSum;
+use crate::aggregation::RoundUpdates;
 use crate::checkpoint::{CheckpointDir, DeviceRecord, ServerState, STATE_FORMAT};
 use crate::client_term::ClientTerm;
 use crate::diagnostics::Diagnostics;
 use crate::global_model::GlobalModel;
 use crate::job::JobArgs;
 use crate::metrics::{mean, MetricsLog, RoundRecord, Summary};
+use crate::privacy::RdpAccountant;
 use crate::strategy::Strategy;
 
 mod intake;
@@ -62,7 +64,9 @@ struct OpenRound {
     transfers: HashMap<String, (Update, Bundle)>,
     reported: BTreeMap<String, (u64, UpdateMetrics)>,
     resends: HashMap<String, u32>,
-    sum: WeightedSum,
+    /// Devices online when the round selected its participants (for DP's sampling rate).
+    population: usize,
+    updates: RoundUpdates,
     /// SCAFFOLD's Σ Δc_i.
     controls: Option<WeightedSum>,
     diagnostics: Option<Diagnostics>,
@@ -126,12 +130,27 @@ impl Server {
                 bytes_up: 0,
                 bytes_down: 0,
                 client_term_state: Vec::new(),
+                privacy: None,
             };
             (global, state)
         };
         let mut client_term = job.build_client_term(&global)?;
         if !state.client_term_state.is_empty() {
             client_term.restore(&state.client_term_state)?;
+        }
+        let mut state = state;
+        match (job.aggregation.dp_noise_multiplier, &state.privacy) {
+            (Some(sigma), Some(acc)) if acc.noise_multiplier != sigma => bail!(
+                "the checkpoint's rounds used --dp-noise-multiplier {}, not {sigma}",
+                acc.noise_multiplier
+            ),
+            (Some(_), None) if state.round > 0 => bail!(
+                "the checkpoint's {} rounds ran without --dp-noise-multiplier; their models are already public, so no ε can be stated for this job",
+                state.round
+            ),
+            (Some(sigma), None) => state.privacy = Some(RdpAccountant::new(sigma)),
+            (None, Some(_)) => bail!("the checkpoint's rounds ran with --dp-noise-multiplier; give it again to resume"),
+            _ => {}
         }
         let metrics = MetricsLog::open(out)?;
         let signer = job.signer()?;
@@ -245,6 +264,7 @@ impl Server {
         let span = tracing::info_span!("round", round);
         let _enter = span.enter();
         let started = Instant::now();
+        let population = self.online().len();
         let selected = self.select(round, evaluation);
         let (manifest, mut chunks) = self.global.transfer(round, DEFAULT_CHUNK_BYTES);
         let mut strategy = self.strategy.configure_round(round);
@@ -287,7 +307,8 @@ impl Server {
             transfers: HashMap::new(),
             reported: BTreeMap::new(),
             resends: HashMap::new(),
-            sum: WeightedSum::new(&self.global),
+            population,
+            updates: RoundUpdates::new(&self.global, &self.job.aggregation),
             controls: (training && self.client_term.required_section().is_some())
                 .then(|| WeightedSum::new(&self.global)),
             diagnostics: (training && self.job.diagnostics).then(|| Diagnostics::new(&self.global)),
@@ -365,24 +386,43 @@ impl Server {
         self.state.bytes_up += open.bytes_up;
         self.state.bytes_down += open.bytes_down;
         if !open.evaluation {
-            if open.sum.count() >= self.job.quorum {
+            let updates = open.updates.count();
+            record.clipped = open.updates.clipped();
+            let combined = if updates >= self.job.quorum {
+                open.updates.finish(&self.global).map_err(|e| {
+                    tracing::warn!(updates, error = %e, "the round's updates cannot be combined; the global model is unchanged");
+                })
+            } else {
+                tracing::warn!(updates, quorum = self.job.quorum, "quorum not met; the global model is unchanged");
+                Err(())
+            };
+            if let Ok(sum) = combined {
                 let local = self.job.lr * f64::from(self.job.local_steps.max(1));
-                record.grad_norm = open.sum.mean_norm() / local;
+                record.grad_norm = sum.mean_norm() / local;
                 if let Some(report) = open.diagnostics.as_ref().map(Diagnostics::report) {
                     record.grad_norm = report.grad_norm.unwrap_or(record.grad_norm);
                     record.kappa2 = report.kappa2;
                     record.layer_cos = report.layer_cos;
                 }
                 let previous = self.client_term.needs_previous_model().then(|| self.global.clone());
-                record.update_norm = self.strategy.aggregate(open.round, &mut self.global, &open.sum)?;
+                record.update_norm = self.strategy.aggregate(open.round, &mut self.global, &sum)?;
                 let registered = self.state.devices.len();
                 self.client_term.after_round(previous.as_ref(), &self.global, open.controls.as_ref(), registered);
-            } else {
-                tracing::warn!(
-                    updates = open.sum.count(),
-                    quorum = self.job.quorum,
-                    "quorum not met; the global model is unchanged"
+                if let Some(acc) = self.state.privacy.as_mut() {
+                    acc.add_round(open.selected.len() as f64 / open.population.max(1) as f64);
+                }
+            }
+            if let Some(acc) = &self.state.privacy {
+                let (epsilon, order) = acc.epsilon(self.job.aggregation.dp_delta);
+                tracing::info!(
+                    epsilon,
+                    delta = self.job.aggregation.dp_delta,
+                    order,
+                    rounds = acc.rounds,
+                    "privacy spent"
                 );
+                record.dp_epsilon = Some(epsilon);
+                record.dp_delta = Some(self.job.aggregation.dp_delta);
             }
             self.state.round = open.round;
             self.state.global_sha256 = self.global.sha256_hex();

@@ -89,6 +89,8 @@ pub struct ParticipantConfig {
     /// The aggregator's pinned public key: plans (and so models) whose signature does not
     /// verify are refused. `None` accepts any plan.
     pub trusted_key: Option<PlanVerifier>,
+    /// Simulations only: poison every uploaded update this way.
+    pub adversary: Option<crate::adversary::Adversary>,
     /// Set to stop the participant between rounds.
     pub stop: Arc<AtomicBool>,
 }
@@ -367,7 +369,10 @@ impl Participant {
             &self.state,
             &mut progress,
         )?;
-        let payload = TensorPayload::encode(&outcome.delta, WireDType::F32);
+        let mut payload = TensorPayload::encode(&outcome.delta, WireDType::F32);
+        if let Some(adversary) = &self.cfg.adversary {
+            payload = adversary.apply(&payload);
+        }
         let transfer = format!("r{}/{}", plan.round, self.cfg.id);
         let (manifest, mut chunks) = split_payload(&transfer, &payload, DEFAULT_CHUNK_BYTES);
         let mut sections = std::collections::BTreeMap::new();

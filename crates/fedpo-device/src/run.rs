@@ -134,6 +134,7 @@ pub(crate) fn run(args: RunArgs) -> Result<()> {
         max_memory_mib: args.max_memory,
         compute_dtype: args.compute_dtype,
         trusted_key: args.trust_key.as_deref().map(PlanVerifier::parse).transpose()?,
+        adversary: None,
         stop,
     };
     let summary = participant::run(cfg)?;

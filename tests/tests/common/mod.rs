@@ -167,6 +167,7 @@ pub fn start_devices(
                 max_memory_mib: None,
                 compute_dtype: candle_core::DType::F32,
                 trusted_key: None,
+                adversary: None,
                 stop: Arc::new(AtomicBool::new(false)),
             };
             std::thread::spawn(move || {
