@@ -9,102 +9,15 @@ use std::collections::{BTreeMap, HashSet};
 use std::time::{Duration, Instant};
 
 use candle_core::Device;
+use common::fake_device::FakeDevice;
 use common::{decode_rounds, tensor_values, Wiretap};
 use fedpo_data::synthetic::{generate_device, SyntheticSpec};
 use fedpo_model::io::read_safetensors;
 use fedpo_transport::{BrokerUrl, EmbeddedBroker, LinkEvent, LinkOptions, MqttLink, Topics};
-use fedpo_wire::{
-    split_payload, DeviceHello, Limits, Message, RoundPlan, TensorPayload, ToWire, Update, UpdateMetrics, WireDType,
-    DEFAULT_CHUNK_BYTES,
-};
+use fedpo_wire::TensorPayload;
 
 const JOB: &str = "faults";
 const FAKE: &str = "dev-x";
-
-/// A tensor the fake device makes up.
-struct Made(String, Vec<u64>, Vec<f32>);
-
-impl ToWire for Made {
-    fn wire_name(&self) -> &str {
-        &self.0
-    }
-    fn wire_shape(&self) -> Vec<u64> {
-        self.1.clone()
-    }
-    fn wire_values(&self) -> &[f32] {
-        &self.2
-    }
-}
-
-/// A device that speaks the protocol but sends what the test tells it to.
-struct FakeDevice {
-    link: MqttLink,
-    topics: Topics,
-}
-
-impl FakeDevice {
-    fn join(url: &BrokerUrl) -> Self {
-        let link = MqttLink::connect(url, &LinkOptions::new("fake-device")).unwrap();
-        let topics = Topics::new(JOB).unwrap();
-        link.subscribe(&topics.down()).unwrap();
-        Self { link, topics }
-    }
-
-    /// The next plan that selects the fake device, saying hello every 2 s meanwhile (the
-    /// aggregator may not be listening yet), as a real device does.
-    fn plan(&self) -> RoundPlan {
-        let hello = Message::Hello(DeviceHello { device: FAKE.into(), pairs: 4, backend: "cpu".into(), memory_mb: 0 });
-        let deadline = Instant::now() + Duration::from_secs(120);
-        let mut last_hello: Option<Instant> = None;
-        while Instant::now() < deadline {
-            if last_hello.is_none_or(|t| t.elapsed() > Duration::from_secs(2)) {
-                self.link.publish(&self.topics.up(FAKE), hello.encode()).unwrap();
-                last_hello = Some(Instant::now());
-            }
-            if let Ok(Some(LinkEvent::Message(d))) = self.link.recv_timeout(Duration::from_millis(100)) {
-                if let Ok(Message::Plan(p)) = Message::decode(&d.payload, &Limits::default()) {
-                    if p.selected.iter().any(|s| s == FAKE) {
-                        return p;
-                    }
-                }
-            }
-        }
-        panic!("no plan selected {FAKE}");
-    }
-
-    /// An update for `round` shaped like the plan's shared set, every value `value`; with
-    /// `corrupt`, one byte of its last chunk is flipped in transit.
-    fn send(&self, plan: &RoundPlan, round: u64, value: f32, corrupt: bool) {
-        let tensors: Vec<Made> = plan
-            .global_model
-            .tensors
-            .iter()
-            .filter(|t| !t.name.starts_with("wte.") && !t.name.starts_with("wpe."))
-            .map(|t| Made(t.name.clone(), t.shape.clone(), vec![value; t.shape.iter().product::<u64>() as usize]))
-            .collect();
-        let payload = TensorPayload::encode(&tensors, WireDType::F32);
-        let (manifest, mut chunks) = split_payload(&format!("r{round}/{FAKE}"), &payload, DEFAULT_CHUNK_BYTES);
-        if corrupt {
-            let last = chunks.last_mut().expect("at least one chunk");
-            let middle = last.bytes.len() / 2;
-            last.bytes[middle] ^= 0x5a;
-        }
-        let metrics = UpdateMetrics {
-            train_loss: 0.5,
-            reward_acc: 0.5,
-            heldout_acc: None,
-            grad_norm: 1.0,
-            seconds: 0.1,
-            peak_rss_mib: None,
-        };
-        let update =
-            Update { round, device: FAKE.into(), pairs: 4, metrics, update: manifest, sections: Default::default() };
-        self.link.publish(&self.topics.up(FAKE), Message::Update(update).encode()).unwrap();
-        for c in chunks {
-            self.link.publish(&self.topics.up(FAKE), Message::Chunk(c).encode()).unwrap();
-        }
-    }
-}
 
 /// Publishes every message a device sends a second time, as a broker's QoS 1 redelivery
 /// would.
@@ -140,7 +53,7 @@ fn duplicates_count_once_and_nan_late_or_corrupted_updates_change_nothing() {
         let args = common::serve_args(&url, JOB, &out, &extra);
         std::thread::spawn(move || fedpo_aggregator::run_cli(args))
     };
-    let fake = FakeDevice::join(&url);
+    let fake = FakeDevice::join(&url, JOB, FAKE);
     let spec = SyntheticSpec { heterogeneity: 1.0, train_pairs: 6, heldout_pairs: 4, seed: 0 };
     let shards = (0..2)
         .map(|k| {
@@ -192,26 +105,14 @@ fn duplicates_count_once_and_nan_late_or_corrupted_updates_change_nothing() {
         let real: BTreeMap<&str, &(u64, TensorPayload)> =
             this.updates.iter().filter(|(d, _)| d.as_str() != FAKE).map(|(d, u)| (d.as_str(), u)).collect();
         assert_eq!(real.keys().copied().collect::<Vec<_>>(), ["dev-0", "dev-1"]);
-        let total: f64 = real.values().map(|(p, _)| *p as f64).sum();
-        let mut worst = 0.0f64;
-        for t in &real["dev-0"].1.tensors {
-            let name = t.name();
-            let g = tensor_values(global, name);
-            let mut expected = vec![0.0f64; g.len()];
-            for (pairs, delta) in real.values() {
-                for ((e, gv), dv) in expected.iter_mut().zip(&g).zip(tensor_values(delta, name)) {
-                    *e += *pairs as f64 * (f64::from(*gv) + f64::from(dv)) / total;
-                }
-            }
-            let actual: Vec<f32> = if r == 2 {
+        let updates: Vec<&(u64, TensorPayload)> = real.values().copied().collect();
+        let worst = common::gap_from_weighted_mean(global, &updates, |name| {
+            if r == 2 {
                 checkpoint.tensors.tensors[name].flatten_all().unwrap().to_vec1().unwrap()
             } else {
                 tensor_values(rounds[&2].global.as_ref().unwrap(), name)
-            };
-            for (e, a) in expected.iter().zip(&actual) {
-                worst = worst.max((e - f64::from(*a)).abs());
             }
-        }
+        });
         assert!(worst <= 1e-6, "round {r}: the global model differs from the accepted updates' mean by {worst:e}");
     }
 }

@@ -3,6 +3,8 @@
 
 #![allow(dead_code, unreachable_pub)]
 
+pub mod fake_device;
+
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -175,4 +177,30 @@ pub fn start_devices(
             })
         })
         .collect()
+}
+
+/// The largest gap between `actual(name)`, the model after a round, and the pair-weighted
+/// mean of (global + delta) over `updates`, recomputed in f64 for every tensor the updates
+/// hold.
+pub fn gap_from_weighted_mean(
+    global: &TensorPayload,
+    updates: &[&(u64, TensorPayload)],
+    actual: impl Fn(&str) -> Vec<f32>,
+) -> f64 {
+    let total: f64 = updates.iter().map(|(p, _)| *p as f64).sum();
+    let mut worst = 0.0f64;
+    for t in &updates[0].1.tensors {
+        let name = t.name();
+        let g = tensor_values(global, name);
+        let mut expected = vec![0.0f64; g.len()];
+        for (pairs, delta) in updates {
+            for ((e, gv), dv) in expected.iter_mut().zip(&g).zip(tensor_values(delta, name)) {
+                *e += *pairs as f64 * (f64::from(*gv) + f64::from(dv)) / total;
+            }
+        }
+        for (e, a) in expected.iter().zip(&actual(name)) {
+            worst = worst.max((e - f64::from(*a)).abs());
+        }
+    }
+    worst
 }

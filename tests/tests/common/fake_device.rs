@@ -1,0 +1,124 @@
+//! A device that speaks the protocol but sends what a test tells it to: NaN, stale or
+//! corrupted updates, or half an upload.
+
+use std::time::{Duration, Instant};
+
+use fedpo_transport::{BrokerUrl, LinkEvent, LinkOptions, MqttLink, Topics};
+use fedpo_wire::{
+    split_payload, DeviceBye, DeviceHello, Limits, Message, RoundPlan, TensorPayload, ToWire, TransferChunk, Update,
+    UpdateMetrics, WireDType, DEFAULT_CHUNK_BYTES,
+};
+
+/// A tensor the fake device makes up.
+struct Made(String, Vec<u64>, Vec<f32>);
+
+impl ToWire for Made {
+    fn wire_name(&self) -> &str {
+        &self.0
+    }
+    fn wire_shape(&self) -> Vec<u64> {
+        self.1.clone()
+    }
+    fn wire_values(&self) -> &[f32] {
+        &self.2
+    }
+}
+
+pub struct FakeDevice {
+    link: MqttLink,
+    topics: Topics,
+    id: String,
+}
+
+impl FakeDevice {
+    /// Connects as `id` in `job`, with the last will a real device leaves (a goodbye the
+    /// broker publishes if the connection dies).
+    pub fn join(url: &BrokerUrl, job: &str, id: &str) -> Self {
+        let topics = Topics::new(job).unwrap();
+        let mut opts = LinkOptions::new(format!("fake-{id}"));
+        let will = Message::Bye(DeviceBye { device: id.into(), reason: "connection lost".into() });
+        opts.last_will = Some((topics.up(id), will.encode()));
+        let link = MqttLink::connect(url, &opts).unwrap();
+        link.subscribe(&topics.down()).unwrap();
+        Self { link, topics, id: id.into() }
+    }
+
+    /// The next plan that selects this device, saying hello every 2 s meanwhile (the
+    /// aggregator may not be listening yet), as a real device does.
+    pub fn plan(&self) -> RoundPlan {
+        let hello =
+            Message::Hello(DeviceHello { device: self.id.clone(), pairs: 4, backend: "cpu".into(), memory_mb: 0 });
+        let deadline = Instant::now() + Duration::from_secs(120);
+        let mut last_hello: Option<Instant> = None;
+        while Instant::now() < deadline {
+            if last_hello.is_none_or(|t| t.elapsed() > Duration::from_secs(2)) {
+                self.link.publish(&self.topics.up(&self.id), hello.encode()).unwrap();
+                last_hello = Some(Instant::now());
+            }
+            if let Ok(Some(LinkEvent::Message(d))) = self.link.recv_timeout(Duration::from_millis(100)) {
+                if let Ok(Message::Plan(p)) = Message::decode(&d.payload, &Limits::default()) {
+                    if p.selected.contains(&self.id) {
+                        return p;
+                    }
+                }
+            }
+        }
+        panic!("no plan selected {}", self.id);
+    }
+
+    /// An update for `round` shaped like the plan's shared set (embeddings frozen), every
+    /// value `value`, announced and split into chunks.
+    pub fn prepare(&self, plan: &RoundPlan, round: u64, value: f32) -> (Update, Vec<TransferChunk>) {
+        let tensors: Vec<Made> = plan
+            .global_model
+            .tensors
+            .iter()
+            .filter(|t| !t.name.starts_with("wte.") && !t.name.starts_with("wpe."))
+            .map(|t| Made(t.name.clone(), t.shape.clone(), vec![value; t.shape.iter().product::<u64>() as usize]))
+            .collect();
+        let payload = TensorPayload::encode(&tensors, WireDType::F32);
+        let (manifest, chunks) = split_payload(&format!("r{round}/{}", self.id), &payload, DEFAULT_CHUNK_BYTES);
+        let metrics = UpdateMetrics {
+            train_loss: 0.5,
+            reward_acc: 0.5,
+            heldout_acc: None,
+            grad_norm: 1.0,
+            seconds: 0.1,
+            peak_rss_mib: None,
+        };
+        let update = Update {
+            round,
+            device: self.id.clone(),
+            pairs: 4,
+            metrics,
+            update: manifest,
+            sections: Default::default(),
+        };
+        (update, chunks)
+    }
+
+    /// Publishes an announcement and chunks.
+    pub fn publish(&self, update: Update, chunks: Vec<TransferChunk>) {
+        self.link.publish(&self.topics.up(&self.id), Message::Update(update).encode()).unwrap();
+        for c in chunks {
+            self.link.publish(&self.topics.up(&self.id), Message::Chunk(c).encode()).unwrap();
+        }
+    }
+
+    /// Sends a whole update; with `corrupt`, one byte of its last chunk is flipped in
+    /// transit.
+    pub fn send(&self, plan: &RoundPlan, round: u64, value: f32, corrupt: bool) {
+        let (update, mut chunks) = self.prepare(plan, round, value);
+        if corrupt {
+            let last = chunks.last_mut().expect("at least one chunk");
+            let middle = last.bytes.len() / 2;
+            last.bytes[middle] ^= 0x5a;
+        }
+        self.publish(update, chunks);
+    }
+
+    /// Waits until everything published has been acknowledged by the broker.
+    pub fn flush(&self) -> bool {
+        self.link.flush(Duration::from_secs(30))
+    }
+}
