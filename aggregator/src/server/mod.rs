@@ -31,7 +31,10 @@ use crate::metrics::{mean, MetricsLog, RoundRecord, Summary};
 use crate::privacy::RdpAccountant;
 use crate::strategy::Strategy;
 
+mod identity;
 mod intake;
+
+use identity::{Claim, Identities};
 
 /// Resend the model to a device that asks again at most this often per round.
 const MAX_RESENDS: u32 = 3;
@@ -51,6 +54,8 @@ pub(crate) struct Server {
     started: Instant,
     /// Signs every published plan (`--signing-key`).
     signer: Option<PlanSigner>,
+    /// Which process speaks for each device id.
+    identities: Identities,
 }
 
 /// A round being collected.
@@ -157,6 +162,7 @@ impl Server {
         link.subscribe(&topics.up_all())?;
         Ok(Self {
             signer,
+            identities: Identities::default(),
             link,
             topics,
             job,
@@ -469,6 +475,28 @@ impl Server {
                     tracing::warn!(topic_device = %device, claimed = %h.device, "hello names another device; ignored");
                     return Ok(());
                 }
+                match self.identities.observe(&device, h.instance) {
+                    Claim::Conflicted => return Ok(()),
+                    Claim::Conflict(a, b) => {
+                        tracing::error!(
+                            %device,
+                            instances = format_args!("{a:016x} and {b:016x}"),
+                            "two devices claim this id; it is left out of the job (give each device its own --id)"
+                        );
+                        if let Some(d) = self.state.devices.get_mut(&device) {
+                            d.online = false;
+                        }
+                        if let Some(open) = open {
+                            open.transfers.remove(&device);
+                            if open.selected.contains(&device) && !open.reported.contains_key(&device) {
+                                open.rejected.insert(device.clone(), "two devices claim this id".into());
+                            }
+                        }
+                        return Ok(());
+                    }
+                    Claim::Restarted => tracing::info!(%device, "device restarted"),
+                    Claim::Known => {}
+                }
                 let known = self.state.devices.get(&device).is_some_and(|d| d.online);
                 if !known {
                     tracing::info!(%device, pairs = h.pairs, backend = %h.backend, "device registered");
@@ -494,6 +522,7 @@ impl Server {
                     d.online = false;
                 }
             }
+            Message::Update(_) | Message::Chunk(_) if self.identities.is_conflicted(&device) => {}
             Message::Update(u) => {
                 if let Some(open) = open {
                     self.start_update(open, &device, u);

@@ -123,6 +123,8 @@ struct Participant {
     summary: ParticipantSummary,
     /// The micro-batch the memory budget allows for the pending round's model.
     micro_batch_pairs: Option<usize>,
+    /// This process's instance number, sent with every hello.
+    instance: u64,
 }
 
 /// Joins the job and takes part until the aggregator finishes it or `cfg.stop` is set.
@@ -157,6 +159,7 @@ pub fn run(cfg: ParticipantConfig) -> Result<ParticipantSummary, ParticipantErro
         limits: Limits::default(),
         summary: ParticipantSummary::default(),
         micro_batch_pairs: None,
+        instance: rand::random::<u64>().max(1),
     };
     let span = tracing::info_span!("device", id = %p.cfg.id);
     let _enter = span.enter();
@@ -189,6 +192,7 @@ impl Participant {
             pairs: self.train.len() as u64,
             backend: format!("{:?}", self.cfg.compute).to_lowercase(),
             memory_mb: self.cfg.max_memory_mib.or_else(memory::available_mib).unwrap_or(0),
+            instance: self.instance,
         }))
     }
 

@@ -54,8 +54,13 @@ fn main() -> std::io::Result<()> {
         sections: Default::default(),
         signature: Vec::new(),
     });
-    let hello =
-        Message::Hello(DeviceHello { device: "pi-7".into(), pairs: 120, backend: "cpu".into(), memory_mb: 3000 });
+    let hello = Message::Hello(DeviceHello {
+        device: "pi-7".into(),
+        pairs: 120,
+        backend: "cpu".into(),
+        memory_mb: 3000,
+        instance: 7,
+    });
     let chunk_messages: Vec<Vec<u8>> = chunks.into_iter().map(|c| Message::Chunk(c).encode()).collect();
 
     write(&root.join("decode_message"), "plan", &plan.encode())?;

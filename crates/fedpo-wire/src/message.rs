@@ -26,6 +26,11 @@ pub struct DeviceHello {
     pub backend: String,
     /// Memory available for training, MiB.
     pub memory_mb: u64,
+    /// Drawn at random when the device process starts. A restarted device says hello
+    /// with a new instance; two processes using one id keep saying hello with two, which
+    /// is how the aggregator tells them apart. 0 from devices that predate it.
+    #[serde(default)]
+    pub instance: u64,
 }
 
 /// A device leaving: sent on a clean exit, and registered as the MQTT last will so the

@@ -28,6 +28,7 @@ pub struct FakeDevice {
     link: MqttLink,
     topics: Topics,
     id: String,
+    instance: u64,
 }
 
 impl FakeDevice {
@@ -40,14 +41,19 @@ impl FakeDevice {
         opts.last_will = Some((topics.up(id), will.encode()));
         let link = MqttLink::connect(url, &opts).unwrap();
         link.subscribe(&topics.down()).unwrap();
-        Self { link, topics, id: id.into() }
+        Self { link, topics, id: id.into(), instance: rand::random() }
     }
 
     /// The next plan that selects this device, saying hello every 2 s meanwhile (the
     /// aggregator may not be listening yet), as a real device does.
     pub fn plan(&self) -> RoundPlan {
-        let hello =
-            Message::Hello(DeviceHello { device: self.id.clone(), pairs: 4, backend: "cpu".into(), memory_mb: 0 });
+        let hello = Message::Hello(DeviceHello {
+            device: self.id.clone(),
+            pairs: 4,
+            backend: "cpu".into(),
+            memory_mb: 0,
+            instance: self.instance,
+        });
         let deadline = Instant::now() + Duration::from_secs(120);
         let mut last_hello: Option<Instant> = None;
         while Instant::now() < deadline {

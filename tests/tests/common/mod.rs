@@ -143,6 +143,33 @@ pub fn serve_args(url: &BrokerUrl, job: &str, out: &std::path::Path, extra: &[&s
     args
 }
 
+/// A plain-MQTT, CPU, f32 participant with no memory budget and no pinned key.
+pub fn participant_config(
+    url: &BrokerUrl,
+    job: &str,
+    id: &str,
+    state_dir: std::path::PathBuf,
+    (train, heldout): (Vec<PreferencePair>, Vec<PreferencePair>),
+    max_len: usize,
+) -> ParticipantConfig {
+    ParticipantConfig {
+        broker: url.clone(),
+        tls: Default::default(),
+        job: job.into(),
+        id: id.into(),
+        state_dir,
+        train,
+        heldout,
+        max_len,
+        compute: Device::Cpu,
+        max_memory_mib: None,
+        compute_dtype: candle_core::DType::F32,
+        trusted_key: None,
+        adversary: None,
+        stop: Arc::new(AtomicBool::new(false)),
+    }
+}
+
 /// Starts one in-process device per `(train, heldout)` shard, ids `dev-0`, `dev-1`, …,
 /// state under `dir/dev-K`; each thread panics if its participant fails.
 pub fn start_devices(
@@ -155,23 +182,9 @@ pub fn start_devices(
     shards
         .into_iter()
         .enumerate()
-        .map(|(k, (train, heldout))| {
-            let cfg = ParticipantConfig {
-                broker: url.clone(),
-                tls: Default::default(),
-                job: job.into(),
-                id: format!("dev-{k}"),
-                state_dir: dir.join(format!("dev-{k}")),
-                train,
-                heldout,
-                max_len,
-                compute: Device::Cpu,
-                max_memory_mib: None,
-                compute_dtype: candle_core::DType::F32,
-                trusted_key: None,
-                adversary: None,
-                stop: Arc::new(AtomicBool::new(false)),
-            };
+        .map(|(k, shard)| {
+            let id = format!("dev-{k}");
+            let cfg = participant_config(url, job, &id, dir.join(&id), shard, max_len);
             std::thread::spawn(move || {
                 participant::run(cfg).expect("device runs to the end of the job");
             })
