@@ -418,23 +418,18 @@ impl Server {
                     acc.add_round(open.selected.len() as f64 / open.population.max(1) as f64);
                 }
             }
-            if let Some(acc) = &self.state.privacy {
-                let (epsilon, order) = acc.epsilon(self.job.aggregation.dp_delta);
-                tracing::info!(
-                    epsilon,
-                    delta = self.job.aggregation.dp_delta,
-                    order,
-                    rounds = acc.rounds,
-                    "privacy spent"
-                );
-                record.dp_epsilon = Some(epsilon);
-                record.dp_delta = Some(self.job.aggregation.dp_delta);
-            }
             self.state.round = open.round;
             self.state.global_sha256 = self.global.sha256_hex();
             self.state.strategy_state = self.strategy.state()?;
             self.state.client_term_state = self.client_term.state()?;
             self.checkpoints.save(&self.global, &self.state)?;
+        }
+        // Every record carries the privacy spent so far, evaluation rounds included.
+        if let Some(acc) = &self.state.privacy {
+            let (epsilon, order) = acc.epsilon(self.job.aggregation.dp_delta);
+            tracing::info!(epsilon, delta = self.job.aggregation.dp_delta, order, rounds = acc.rounds, "privacy spent");
+            record.dp_epsilon = Some(epsilon);
+            record.dp_delta = Some(self.job.aggregation.dp_delta);
         }
         record.seconds = started.elapsed().as_secs_f64();
         self.metrics.append(&record)?;
