@@ -23,6 +23,9 @@ pub(crate) struct DeviceRecord {
     pub(crate) backend: String,
     /// Whether it is connected, as far as the aggregator knows.
     pub(crate) online: bool,
+    /// The connection number of its last hello.
+    #[serde(default)]
+    pub(crate) connection: u32,
 }
 
 /// Everything but the model needed to continue a job.
@@ -123,7 +126,10 @@ mod tests {
             method: "feddpo".into(),
             round,
             global_sha256: model.sha256_hex(),
-            devices: BTreeMap::from([("dev-0".into(), DeviceRecord { pairs: 7, backend: "cpu".into(), online: true })]),
+            devices: BTreeMap::from([(
+                "dev-0".into(),
+                DeviceRecord { pairs: 7, backend: "cpu".into(), online: true, connection: 2 },
+            )]),
             strategy: "fedavg".into(),
             strategy_state: vec![1, 2, 3],
             bytes_up: 10,

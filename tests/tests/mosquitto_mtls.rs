@@ -24,17 +24,6 @@ fn security_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../security")
 }
 
-fn mosquitto_binary() -> PathBuf {
-    let candidates = std::env::var_os("PATH")
-        .map(|p| std::env::split_paths(&p).map(|d| d.join("mosquitto")).collect::<Vec<_>>())
-        .unwrap_or_default();
-    candidates
-        .into_iter()
-        .chain([PathBuf::from("/usr/sbin/mosquitto")])
-        .find(|p| p.is_file())
-        .expect("mosquitto is not installed (apt-get install mosquitto; .ci/run does)")
-}
-
 /// A Mosquitto process on a free loopback port, killed on drop.
 struct Mosquitto {
     child: Child,
@@ -67,7 +56,7 @@ impl Mosquitto {
             // the test's keys; as any other user this line has no effect.
             + "user root\n";
         std::fs::write(dir.join("mosquitto.conf"), conf).unwrap();
-        let child = Command::new(mosquitto_binary())
+        let child = Command::new(common::mosquitto_binary())
             .args(["-c", "mosquitto.conf"])
             .current_dir(dir)
             .stdout(Stdio::null())

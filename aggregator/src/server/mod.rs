@@ -450,7 +450,16 @@ impl Server {
         let Some(event) = self.link.recv_timeout(wait)? else { return Ok(()) };
         let delivery = match event {
             LinkEvent::Message(d) => d,
-            LinkEvent::Connected => return Ok(()),
+            LinkEvent::Connected => {
+                // Back after losing the broker: whatever was in flight may be gone, so the
+                // devices still missing get the plan again (those that already trained
+                // answer with the same update).
+                if let Some(open) = open {
+                    tracing::info!(round = open.round, "reconnected to the broker; publishing the plan again");
+                    self.publish_plan(open)?;
+                }
+                return Ok(());
+            }
             LinkEvent::Disconnected(reason) => {
                 tracing::warn!(%reason, "lost the broker; reconnecting");
                 return Ok(());
@@ -492,19 +501,24 @@ impl Server {
                     Claim::Restarted => tracing::info!(%device, "device restarted"),
                     Claim::Known => {}
                 }
-                let known = self.state.devices.get(&device).is_some_and(|d| d.online);
+                let previous = self.state.devices.get(&device);
+                let known = previous.is_some_and(|d| d.online);
+                // A new connection number: the device was cut off, and what was published
+                // to it meanwhile (the plan, chunks) may be lost.
+                let reconnected = previous.is_some_and(|d| d.connection != h.connection);
                 if !known {
                     tracing::info!(%device, pairs = h.pairs, backend = %h.backend, "device registered");
                 }
-                self.state
-                    .devices
-                    .insert(device.clone(), DeviceRecord { pairs: h.pairs, backend: h.backend, online: true });
+                let record =
+                    DeviceRecord { pairs: h.pairs, backend: h.backend, online: true, connection: h.connection };
+                self.state.devices.insert(device.clone(), record);
                 if let Some(open) = open.as_deref_mut() {
                     let waiting = open.selected.contains(&device) && !open.reported.contains_key(&device);
                     let resends = open.resends.entry(device.clone()).or_default();
-                    if waiting && open.published_at.elapsed() > Duration::from_secs(5) && *resends < MAX_RESENDS {
+                    let asked_again = reconnected || open.published_at.elapsed() > Duration::from_secs(5);
+                    if waiting && asked_again && *resends < MAX_RESENDS {
                         *resends += 1;
-                        tracing::info!(%device, "device asked again; resending the plan and model");
+                        tracing::info!(%device, reconnected, "device asked again; resending the plan and model");
                         self.publish_plan(open)?;
                     }
                 }

@@ -125,6 +125,8 @@ struct Participant {
     micro_batch_pairs: Option<usize>,
     /// This process's instance number, sent with every hello.
     instance: u64,
+    /// Connections to the broker so far, sent with every hello.
+    connection: u32,
 }
 
 /// Joins the job and takes part until the aggregator finishes it or `cfg.stop` is set.
@@ -160,6 +162,7 @@ pub fn run(cfg: ParticipantConfig) -> Result<ParticipantSummary, ParticipantErro
         summary: ParticipantSummary::default(),
         micro_batch_pairs: None,
         instance: rand::random::<u64>().max(1),
+        connection: 1,
     };
     let span = tracing::info_span!("device", id = %p.cfg.id);
     let _enter = span.enter();
@@ -193,6 +196,7 @@ impl Participant {
             backend: format!("{:?}", self.cfg.compute).to_lowercase(),
             memory_mb: self.cfg.max_memory_mib.or_else(memory::available_mib).unwrap_or(0),
             instance: self.instance,
+            connection: self.connection,
         }))
     }
 
@@ -251,7 +255,9 @@ impl Participant {
             let delivery = match event {
                 None => continue,
                 Some(LinkEvent::Connected) => {
-                    // After a reconnect, chunks may have been lost: ask again.
+                    // After a reconnect, plans, chunks or our own update may have been
+                    // lost: a hello with a new connection number asks for the plan again.
+                    self.connection += 1;
                     self.hello()?;
                     continue;
                 }

@@ -60,6 +60,7 @@ fn main() -> std::io::Result<()> {
         backend: "cpu".into(),
         memory_mb: 3000,
         instance: 7,
+        connection: 1,
     });
     let chunk_messages: Vec<Vec<u8>> = chunks.into_iter().map(|c| Message::Chunk(c).encode()).collect();
 

@@ -31,6 +31,10 @@ pub struct DeviceHello {
     /// is how the aggregator tells them apart. 0 from devices that predate it.
     #[serde(default)]
     pub instance: u64,
+    /// Connections this process has made to the broker. A new number means the device
+    /// was offline a while, so whatever was published to it meanwhile may be lost.
+    #[serde(default)]
+    pub connection: u32,
 }
 
 /// A device leaving: sent on a clean exit, and registered as the MQTT last will so the

@@ -40,13 +40,14 @@ prop_compose! {
 
 fn arb_message() -> impl Strategy<Value = Message> {
     prop_oneof![
-        (name(), any::<u64>(), name(), any::<u64>(), any::<u64>()).prop_map(
-            |(device, pairs, backend, memory_mb, instance)| Message::Hello(DeviceHello {
+        (name(), any::<u64>(), name(), any::<u64>(), any::<u64>(), any::<u32>()).prop_map(
+            |(device, pairs, backend, memory_mb, instance, connection)| Message::Hello(DeviceHello {
                 device,
                 pairs,
                 backend,
                 memory_mb,
-                instance
+                instance,
+                connection
             })
         ),
         (
@@ -134,8 +135,14 @@ fn unknown_protocol_version_is_refused_naming_both_versions() {
         version: u16,
         message: Message,
     }
-    let hello =
-        Message::Hello(DeviceHello { device: "d".into(), pairs: 1, backend: "cpu".into(), memory_mb: 1, instance: 1 });
+    let hello = Message::Hello(DeviceHello {
+        device: "d".into(),
+        pairs: 1,
+        backend: "cpu".into(),
+        memory_mb: 1,
+        instance: 1,
+        connection: 1,
+    });
     let bytes = serde_cbor::to_vec(&Future { version: 9, message: hello }).unwrap();
     let err = Message::decode(&bytes, &Limits::default()).unwrap_err();
     assert_eq!(err, WireError::UnsupportedVersion { found: 9, supported: PROTOCOL_VERSION });

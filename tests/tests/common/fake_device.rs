@@ -41,7 +41,7 @@ impl FakeDevice {
         opts.last_will = Some((topics.up(id), will.encode()));
         let link = MqttLink::connect(url, &opts).unwrap();
         link.subscribe(&topics.down()).unwrap();
-        Self { link, topics, id: id.into(), instance: rand::random() }
+        Self { link, topics, id: id.into(), instance: rand::random::<u64>().max(1) }
     }
 
     /// The next plan that selects this device, saying hello every 2 s meanwhile (the
@@ -53,6 +53,7 @@ impl FakeDevice {
             backend: "cpu".into(),
             memory_mb: 0,
             instance: self.instance,
+            connection: 1,
         });
         let deadline = Instant::now() + Duration::from_secs(120);
         let mut last_hello: Option<Instant> = None;

@@ -217,3 +217,15 @@ pub fn gap_from_weighted_mean(
     }
     worst
 }
+
+/// Debian's `mosquitto` (`.ci/run` installs it).
+pub fn mosquitto_binary() -> PathBuf {
+    let candidates = std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).map(|d| d.join("mosquitto")).collect::<Vec<_>>())
+        .unwrap_or_default();
+    candidates
+        .into_iter()
+        .chain([PathBuf::from("/usr/sbin/mosquitto")])
+        .find(|p| p.is_file())
+        .expect("mosquitto is not installed (apt-get install mosquitto; .ci/run does)")
+}
