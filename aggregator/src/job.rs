@@ -117,6 +117,19 @@ pub(crate) struct JobArgs {
     pub(crate) max_update_norm: Option<f64>,
     #[command(flatten)]
     pub(crate) aggregation: AggregationArgs,
+    /// Secure aggregation (pairwise masking, Bonawitz et al. 2017): devices upload masked
+    /// fixed-point updates and the aggregator learns only their pair-weighted sum, even
+    /// if devices drop out after the key exchange.
+    #[arg(long)]
+    pub(crate) secure_aggregation: bool,
+    /// Shares needed to rebuild a device's secrets, and the fewest inputs the aggregator
+    /// may unmask [default: a majority of the round's devices].
+    #[arg(long, value_name = "T")]
+    pub(crate) secagg_threshold: Option<usize>,
+    /// The largest magnitude of any value of a device's update under secure aggregation;
+    /// larger values are clamped (and logged) before masking. Sets the fixed-point scale.
+    #[arg(long, value_name = "R", default_value_t = 1.0)]
+    pub(crate) secagg_range: f32,
     /// Seed of the model init and of device selection.
     #[arg(long, default_value_t = 0)]
     pub(crate) seed: u64,
@@ -199,6 +212,9 @@ impl JobArgs {
             }
         }
         self.aggregation.validate(self.per_round)?;
+        if self.secure_aggregation {
+            self.validate_secure()?;
+        }
         if self.aggregation.private() {
             if self.diagnostics {
                 bail!("--diagnostics publishes per-device gradient statistics that --dp-noise-multiplier does not cover; drop one");
@@ -206,6 +222,48 @@ impl JobArgs {
             if self.client_term == ClientTermKind::Scaffold {
                 bail!("SCAFFOLD averages control variates without noise, outside the DP guarantee; --dp-noise-multiplier refuses --client-term scaffold");
             }
+        }
+        Ok(())
+    }
+
+    /// What secure aggregation cannot be combined with: anything that needs a device's
+    /// own update or gradient at the aggregator.
+    fn validate_secure(&self) -> Result<()> {
+        let hidden = "secure aggregation hides individual updates";
+        if self.aggregation.aggregation != crate::robust::AggregationRule::Mean {
+            bail!(
+                "--aggregation {} needs every device's own update, and {hidden}; use the mean with --secure-aggregation",
+                self.aggregation.aggregation.name()
+            );
+        }
+        if self.aggregation.clip_norm.is_some() || self.aggregation.private() {
+            bail!("--clip-norm and --dp-noise-multiplier clip each device's update at the aggregator, and {hidden}");
+        }
+        if self.max_update_norm.is_some() {
+            bail!("--max-update-norm checks each device's update, and {hidden}");
+        }
+        if self.diagnostics {
+            bail!("--diagnostics uploads each device's gradient in clear, which secure aggregation exists to prevent");
+        }
+        if self.client_term == ClientTermKind::Scaffold {
+            bail!("SCAFFOLD uploads each device's control variate in clear; --secure-aggregation refuses it");
+        }
+        if self.method == Method::Centralized {
+            bail!("--method centralized has one trainer: there is nothing to aggregate securely");
+        }
+        if self.per_round < 2 {
+            bail!("--secure-aggregation needs at least 2 devices per round, got --per-round {}", self.per_round);
+        }
+        if let Some(t) = self.secagg_threshold {
+            if !(2..=self.per_round.min(fedpo_secagg::MAX_PARTIES)).contains(&t) {
+                bail!("--secagg-threshold {t} must be between 2 and --per-round {}", self.per_round);
+            }
+        }
+        if self.per_round > fedpo_secagg::MAX_PARTIES {
+            bail!("--secure-aggregation handles at most {} devices per round", fedpo_secagg::MAX_PARTIES);
+        }
+        if !(self.secagg_range.is_finite() && self.secagg_range > 0.0) {
+            bail!("--secagg-range must be a positive number, got {}", self.secagg_range);
         }
         Ok(())
     }

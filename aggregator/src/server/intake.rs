@@ -72,6 +72,20 @@ impl Server {
                 }
                 if let BundleProgress::Complete(bytes) = progress {
                     let (update, _) = open.transfers.remove(device).expect("transfer present");
+                    if let Some(sec) = open.secure.as_mut() {
+                        match sec.add_input(device, update.pairs, &bytes, &self.limits) {
+                            Ok(()) => {
+                                open.reported.insert(device.to_string(), (update.pairs, update.metrics));
+                                tracing::info!(%device, reported = open.reported.len(), of = open.selected.len(), "masked input accepted");
+                            }
+                            Err(e) => {
+                                tracing::warn!(%device, error = %e, "masked input refused");
+                                open.rejected.insert(device.to_string(), e.to_string());
+                                open.refused.insert(device.to_string());
+                            }
+                        }
+                        return;
+                    }
                     match self.verify(open, &bytes) {
                         Ok((delta, sections)) => {
                             open.updates.add(&delta, update.pairs as f64);

@@ -33,6 +33,7 @@ use crate::strategy::Strategy;
 
 mod identity;
 mod intake;
+mod secure;
 
 use identity::{Claim, Identities};
 
@@ -82,6 +83,10 @@ struct OpenRound {
     refused: BTreeSet<String>,
     bytes_up: u64,
     bytes_down: u64,
+    /// Secure aggregation's state, in a round that uses it.
+    secure: Option<secure::SecureCollect>,
+    /// The unmasked mean update of a secure round.
+    secure_sum: Option<WeightedSum>,
 }
 
 /// Refuses to overwrite a job's checkpoint unless resuming it.
@@ -286,6 +291,19 @@ impl Server {
                 chunks.extend(c);
             }
         }
+        let secure = if !evaluation && self.job.secure_aggregation {
+            let max_pairs = selected.iter().filter_map(|d| self.state.devices.get(d)).map(|d| d.pairs).max();
+            Some(secure::SecureCollect::new(
+                round,
+                &selected,
+                &self.global,
+                self.job.secagg_threshold,
+                self.job.secagg_range,
+                max_pairs.unwrap_or(1),
+            )?)
+        } else {
+            None
+        };
         let plan = RoundPlan {
             round,
             selected: selected.clone(),
@@ -301,6 +319,7 @@ impl Server {
             global_model: manifest,
             sections,
             signature: Vec::new(), // signed as published
+            secagg: secure.as_ref().map(|s| s.settings),
         };
         let training = !evaluation;
         let mut open = OpenRound {
@@ -323,6 +342,8 @@ impl Server {
             refused: BTreeSet::new(),
             bytes_up: 0,
             bytes_down: 0,
+            secure,
+            secure_sum: None,
         };
         tracing::info!(selected = ?selected, evaluation, "round starts");
         self.publish_plan(&mut open)?;
@@ -345,6 +366,13 @@ impl Server {
                 break;
             }
             self.poll(Duration::from_millis(200), Some(&mut open))?;
+            self.secure_progress(&mut open)?;
+        }
+        if open.secure.is_some() {
+            match self.secure_unmask(&mut open, deadline) {
+                Ok(sum) => open.secure_sum = Some(sum),
+                Err(e) => tracing::warn!(error = %e, "secure aggregation could not unmask the sum"),
+            }
         }
         self.close_round(open, started)
     }
@@ -366,7 +394,7 @@ impl Server {
         Ok(())
     }
 
-    fn close_round(&mut self, open: OpenRound, started: Instant) -> Result<RoundRecord> {
+    fn close_round(&mut self, mut open: OpenRound, started: Instant) -> Result<RoundRecord> {
         let participants: Vec<String> = open.reported.keys().cloned().collect();
         let weight: f64 = open.reported.values().map(|(pairs, _)| *pairs as f64).sum::<f64>().max(1.0);
         let weighted = |f: &dyn Fn(&UpdateMetrics) -> f64| {
@@ -392,10 +420,15 @@ impl Server {
         self.state.bytes_up += open.bytes_up;
         self.state.bytes_down += open.bytes_down;
         if !open.evaluation {
-            let updates = open.updates.count();
+            let secure_sum = open.secure_sum.take();
+            let updates = secure_sum.as_ref().map_or(open.updates.count(), WeightedSum::count);
             record.clipped = open.updates.clipped();
             let combined = if updates >= self.job.quorum {
-                open.updates.finish(&self.global).map_err(|e| {
+                let sum = match secure_sum {
+                    Some(sum) => Ok(sum),
+                    None => open.updates.finish(&self.global),
+                };
+                sum.map_err(|e| {
                     tracing::warn!(updates, error = %e, "the round's updates cannot be combined; the global model is unchanged");
                 })
             } else {
@@ -531,7 +564,12 @@ impl Server {
                     d.online = false;
                 }
             }
-            Message::Update(_) | Message::Chunk(_) if self.identities.is_conflicted(&device) => {}
+            Message::Update(_) | Message::Chunk(_) | Message::SecAgg(_) if self.identities.is_conflicted(&device) => {}
+            Message::SecAgg(m) => {
+                if let Some(open) = open {
+                    self.secure_message(open, &device, m);
+                }
+            }
             Message::Update(u) => {
                 if let Some(open) = open {
                     self.start_update(open, &device, u);

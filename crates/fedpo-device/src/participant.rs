@@ -22,7 +22,9 @@ use thiserror::Error;
 
 use crate::memory::{self, longest, PlanError, PlanRequest};
 use crate::round::{train_round, RoundInputs};
-use crate::state_dir::{SentUpdate, StateDir};
+use crate::state_dir::{Progress, SentUpdate, StateDir};
+
+mod secure;
 
 /// Why a participant stopped.
 #[derive(Debug, Error)]
@@ -56,6 +58,9 @@ pub enum ParticipantError {
     /// Training failed.
     #[error(transparent)]
     Train(#[from] fedpo_train::TrainError),
+    /// A secure-aggregation step failed.
+    #[error("secure aggregation: {0}")]
+    SecAgg(#[from] fedpo_secagg::SecAggError),
     /// The data could not be prepared.
     #[error(transparent)]
     Data(#[from] fedpo_data::DataError),
@@ -127,6 +132,8 @@ struct Participant {
     instance: u64,
     /// Connections to the broker so far, sent with every hello.
     connection: u32,
+    /// The current round's secure-aggregation state, if its plan asked for it.
+    secure: Option<secure::SecureRound>,
 }
 
 /// Joins the job and takes part until the aggregator finishes it or `cfg.stop` is set.
@@ -163,6 +170,7 @@ pub fn run(cfg: ParticipantConfig) -> Result<ParticipantSummary, ParticipantErro
         micro_batch_pairs: None,
         instance: rand::random::<u64>().max(1),
         connection: 1,
+        secure: None,
     };
     let span = tracing::info_span!("device", id = %p.cfg.id);
     let _enter = span.enter();
@@ -240,6 +248,7 @@ impl Participant {
         let mut pending: Option<(RoundPlan, Bundle)> = None;
         let mut heard_aggregator = false;
         let mut last_hello = Instant::now();
+        let mut connected_once = false;
         self.hello()?;
         loop {
             if self.cfg.stop.load(Ordering::SeqCst) {
@@ -254,6 +263,10 @@ impl Participant {
             }
             let delivery = match event {
                 None => continue,
+                Some(LinkEvent::Connected) if !connected_once => {
+                    connected_once = true; // the connection the first hello went out on
+                    continue;
+                }
                 Some(LinkEvent::Connected) => {
                     // After a reconnect, plans, chunks or our own update may have been
                     // lost: a hello with a new connection number asks for the plan again.
@@ -291,6 +304,14 @@ impl Participant {
                     if plan.round < progress.last_round {
                         continue;
                     }
+                    if self.secure_round_trained(plan.round) {
+                        // Resent while this device waits for the others' shares: it
+                        // trained already; its keys may have been lost, so send them again.
+                        if let Some(settings) = plan.secagg {
+                            self.secure_plan(&plan, settings)?;
+                        }
+                        continue;
+                    }
                     if plan.round == progress.last_round {
                         // The aggregator restarted mid-round: send the same update again.
                         match self.state.last_update() {
@@ -306,9 +327,17 @@ impl Participant {
                         .as_ref()
                         .is_some_and(|(p, _)| p.round == plan.round && p.global_model == plan.global_model)
                     {
-                        continue; // the same plan again, e.g. resent for another device
+                        // The same plan again, e.g. resent for another device; the keys
+                        // may have been lost with it.
+                        if let Some(settings) = plan.secagg {
+                            self.secure_plan(&plan, settings)?;
+                        }
+                        continue;
                     }
                     self.fit_memory(&plan)?;
+                    if let Some(settings) = plan.secagg {
+                        self.secure_plan(&plan, settings)?;
+                    }
                     let bundle = Bundle::new(plan.global_model.clone(), &plan.sections, &self.limits)?;
                     tracing::info!(
                         round = plan.round,
@@ -345,6 +374,11 @@ impl Participant {
                         return Ok(());
                     }
                 }
+                Message::SecAgg(m) => {
+                    if let Err(e) = self.secure_message(m) {
+                        tracing::error!(error = %e, "secure aggregation step failed");
+                    }
+                }
                 Message::Hello(_) | Message::Update(_) | Message::Bye(_) => {}
             }
         }
@@ -379,41 +413,63 @@ impl Participant {
             &self.state,
             &mut progress,
         )?;
-        let mut payload = TensorPayload::encode(&outcome.delta, WireDType::F32);
-        if let Some(adversary) = &self.cfg.adversary {
-            payload = adversary.apply(&payload);
-        }
-        let transfer = format!("r{}/{}", plan.round, self.cfg.id);
-        let (manifest, mut chunks) = split_payload(&transfer, &payload, DEFAULT_CHUNK_BYTES);
-        let mut sections = std::collections::BTreeMap::new();
-        for (name, tensors) in &outcome.sections {
-            let payload = TensorPayload::encode(tensors, WireDType::F32);
-            let (m, c) = split_payload(&format!("{transfer}/{name}"), &payload, DEFAULT_CHUNK_BYTES);
-            sections.insert(name.clone(), m);
-            chunks.extend(c);
-        }
-        let update = Update {
-            round: plan.round,
-            device: self.cfg.id.clone(),
-            pairs: self.train.len() as u64,
-            metrics: outcome.metrics.clone(),
-            update: manifest,
-            sections,
-        };
-        let sent = SentUpdate { global_sha256: sha, update, chunks };
-        self.state.save_last_update(&sent)?;
-        progress.last_round = plan.round;
-        self.state.save_progress(&progress)?;
-        self.publish_update(&sent)?;
-        self.summary.rounds.push(plan.round);
         tracing::info!(
             peak_rss_mib = format_args!("{:.0}", outcome.metrics.peak_rss_mib.unwrap_or_default()),
             loss = format_args!("{:.4}", outcome.metrics.train_loss),
             train_acc = format_args!("{:.3}", outcome.metrics.reward_acc),
             heldout_acc = ?outcome.metrics.heldout_acc,
             seconds = format_args!("{:.1}", outcome.metrics.seconds),
-            "round trained; update sent"
+            "round trained"
         );
+        if plan.secagg.is_some() && !outcome.delta.is_empty() {
+            return self.secure_update(plan, &outcome.delta, sha, outcome.metrics, progress);
+        }
+        let mut payload = TensorPayload::encode(&outcome.delta, WireDType::F32);
+        if let Some(adversary) = &self.cfg.adversary {
+            payload = adversary.apply(&payload);
+        }
+        let sections = outcome
+            .sections
+            .iter()
+            .map(|(name, tensors)| (name.clone(), TensorPayload::encode(tensors, WireDType::F32)))
+            .collect();
+        self.send_update(plan.round, sha, payload, sections, outcome.metrics, progress)
+    }
+
+    /// Splits an update and its sections into chunks, saves it for resending, records the
+    /// round as done and publishes it.
+    fn send_update(
+        &mut self,
+        round: u64,
+        global_sha256: String,
+        payload: TensorPayload,
+        sections: Vec<(String, TensorPayload)>,
+        metrics: fedpo_wire::UpdateMetrics,
+        mut progress: Progress,
+    ) -> Result<(), ParticipantError> {
+        let transfer = format!("r{round}/{}", self.cfg.id);
+        let (manifest, mut chunks) = split_payload(&transfer, &payload, DEFAULT_CHUNK_BYTES);
+        let mut manifests = std::collections::BTreeMap::new();
+        for (name, payload) in &sections {
+            let (m, c) = split_payload(&format!("{transfer}/{name}"), payload, DEFAULT_CHUNK_BYTES);
+            manifests.insert(name.clone(), m);
+            chunks.extend(c);
+        }
+        let update = Update {
+            round,
+            device: self.cfg.id.clone(),
+            pairs: self.train.len() as u64,
+            metrics,
+            update: manifest,
+            sections: manifests,
+        };
+        let sent = SentUpdate { global_sha256, update, chunks };
+        self.state.save_last_update(&sent)?;
+        progress.last_round = round;
+        self.state.save_progress(&progress)?;
+        self.publish_update(&sent)?;
+        self.summary.rounds.push(round);
+        tracing::info!(round, "update sent");
         Ok(())
     }
 

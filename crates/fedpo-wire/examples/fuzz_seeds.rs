@@ -53,6 +53,7 @@ fn main() -> std::io::Result<()> {
         global_model: manifest,
         sections: Default::default(),
         signature: Vec::new(),
+        secagg: None,
     });
     let hello = Message::Hello(DeviceHello {
         device: "pi-7".into(),

@@ -12,6 +12,7 @@ mod error;
 pub mod keys;
 mod limits;
 mod message;
+mod secure;
 pub mod signing;
 mod tensor;
 
@@ -23,5 +24,6 @@ pub use message::{
     DeviceBye, DeviceHello, Hyperparameters, Manifest, Message, RoundPlan, RoundResult, TensorInfo, TransferChunk,
     Update, UpdateMetrics, PROTOCOL_VERSION,
 };
+pub use secure::{SecAggMessage, SecAggPlan};
 pub use signing::{PlanSigner, PlanVerifier, SignatureError};
-pub use tensor::{byte_len, TensorPayload, ToWire, WireDType, WireTensor};
+pub use tensor::{byte_len, TensorPayload, ToWire, WireDType, WireTensor, MASKED_TENSOR};

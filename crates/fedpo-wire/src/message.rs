@@ -113,6 +113,9 @@ pub struct RoundPlan {
     /// [`crate::signing`].
     #[serde(default, with = "serde_bytes")]
     pub signature: Vec<u8>,
+    /// Secure aggregation for this round: devices upload masked fixed-point inputs.
+    #[serde(default)]
+    pub secagg: Option<crate::secure::SecAggPlan>,
 }
 
 /// What a device measured in its local round.
@@ -199,6 +202,8 @@ pub enum Message {
     Result(RoundResult),
     /// Device leaving.
     Bye(DeviceBye),
+    /// A secure-aggregation step.
+    SecAgg(crate::secure::SecAggMessage),
 }
 
 #[derive(Serialize, Deserialize)]
@@ -207,7 +212,7 @@ struct Envelope {
     message: Message,
 }
 
-fn check_name(field: &'static str, s: &str, limits: &Limits) -> Result<()> {
+pub(crate) fn check_name(field: &'static str, s: &str, limits: &Limits) -> Result<()> {
     if s.len() > limits.max_name_len {
         return Err(WireError::InvalidField {
             field,
@@ -317,8 +322,12 @@ impl Message {
                         reason: format!("{} bytes; an Ed25519 signature has 64", p.signature.len()),
                     });
                 }
+                if let Some(secagg) = &p.secagg {
+                    secagg.validate()?;
+                }
                 p.global_model.validate(limits)
             }
+            Self::SecAgg(m) => m.validate(limits),
             Self::Update(u) => {
                 check_name("device", &u.device, limits)?;
                 check_finite("train_loss", u.metrics.train_loss)?;

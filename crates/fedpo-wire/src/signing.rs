@@ -152,6 +152,7 @@ MC4CAQAwBQYDK2VwBCIEIIcSE7MhiSE7IWxuP8sbDD87cpHdl64u81Gdu9NQyFIE
             global_model: manifest,
             sections: Default::default(),
             signature: Vec::new(),
+            secagg: None,
         }
     }
 

@@ -21,13 +21,16 @@ pub enum WireDType {
     Bf16,
     /// IEEE half precision, little endian.
     F16,
+    /// 32-bit words, little endian: secure aggregation's masked fixed-point values, which
+    /// are not numbers until the aggregator removes the masks from their sum.
+    U32,
 }
 
 impl WireDType {
     /// Bytes per value.
     pub fn size(self) -> u64 {
         match self {
-            Self::F32 => 4,
+            Self::F32 | Self::U32 => 4,
             Self::Bf16 | Self::F16 => 2,
         }
     }
@@ -39,6 +42,7 @@ impl fmt::Display for WireDType {
             Self::F32 => "f32",
             Self::Bf16 => "bf16",
             Self::F16 => "f16",
+            Self::U32 => "u32",
         })
     }
 }
@@ -58,6 +62,9 @@ pub trait ToWire {
     /// Row-major values.
     fn wire_values(&self) -> &[f32];
 }
+
+/// The name of a secure-aggregation input's one tensor.
+pub const MASKED_TENSOR: &str = "secagg.masked";
 
 /// One named tensor on the wire. Built only from [`ToWire`] values or by decoding.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -82,6 +89,8 @@ impl WireTensor {
             WireDType::F32 => values.iter().for_each(|v| data.extend_from_slice(&v.to_le_bytes())),
             WireDType::Bf16 => values.iter().for_each(|v| data.extend_from_slice(&bf16::from_f32(*v).to_le_bytes())),
             WireDType::F16 => values.iter().for_each(|v| data.extend_from_slice(&f16::from_f32(*v).to_le_bytes())),
+            // Masked words come from `WireTensor::masked`; floats saturate to words here.
+            WireDType::U32 => values.iter().for_each(|v| data.extend_from_slice(&(*v as u32).to_le_bytes())),
         }
         Self { name: name.into(), dtype, shape: shape.to_vec(), data }
     }
@@ -148,11 +157,28 @@ impl WireTensor {
             WireDType::F32 => self.data.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
             WireDType::Bf16 => self.data.chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
             WireDType::F16 => self.data.chunks_exact(2).map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+            WireDType::U32 => self.words().into_iter().map(|w| w as f32).collect(),
         }
     }
 
-    /// The index of the first NaN or infinite value, if any.
+    /// The values as 32-bit words (meaningful for [`WireDType::U32`]).
+    pub fn words(&self) -> Vec<u32> {
+        self.data.chunks_exact(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
+    }
+
+    /// A secure-aggregation input: masked fixed-point words, one per shared value in the
+    /// shared set's order. Masked words reveal nothing without every other device's masks,
+    /// so they need no [`ToWire`] proof of where they came from.
+    pub fn masked(words: &[u32]) -> Self {
+        let data = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+        Self { name: MASKED_TENSOR.into(), dtype: WireDType::U32, shape: vec![words.len() as u64], data }
+    }
+
+    /// The index of the first NaN or infinite value, if any (words have none).
     pub fn first_non_finite(&self) -> Option<usize> {
+        if self.dtype == WireDType::U32 {
+            return None;
+        }
         self.values().iter().position(|v| !v.is_finite())
     }
 }

@@ -59,10 +59,11 @@ fn arb_message() -> impl Strategy<Value = Message> {
             1u32..64,
             arb_manifest(),
             proptest::collection::btree_map("[a-z_]{1,12}", finite(), 0..4),
-            prop_oneof![Just(Vec::new()), proptest::collection::vec(any::<u8>(), 64)]
+            prop_oneof![Just(Vec::new()), proptest::collection::vec(any::<u8>(), 64)],
+            proptest::option::of(arb_secagg_plan())
         )
             .prop_map(
-                |(round, selected, local_steps, lr, beta, batch_pairs, global_model, strategy, signature)| {
+                |(round, selected, local_steps, lr, beta, batch_pairs, global_model, strategy, signature, secagg)| {
                     Message::Plan(RoundPlan {
                         round,
                         selected,
@@ -72,6 +73,7 @@ fn arb_message() -> impl Strategy<Value = Message> {
                         global_model,
                         sections: Default::default(),
                         signature,
+                        secagg,
                     })
                 }
             ),
@@ -103,6 +105,58 @@ fn arb_message() -> impl Strategy<Value = Message> {
                 Message::Result(RoundResult { round, participants, train_loss, global_sha256, finished })
             }),
         (name(), "[ -~]{0,80}").prop_map(|(device, reason)| Message::Bye(DeviceBye { device, reason })),
+        arb_secagg_message().prop_map(Message::SecAgg),
+    ]
+}
+
+prop_compose! {
+    fn arb_secagg_plan()(threshold in 2u16..255, scale in 1.0f64..1e9, range in 1e-3f32..1e3) -> SecAggPlan {
+        SecAggPlan { threshold, fixed_point: fedpo_secagg::FixedPoint { scale, range } }
+    }
+}
+
+prop_compose! {
+    fn arb_keys()(channel in any::<[u8; 32]>(), mask in any::<[u8; 32]>()) -> fedpo_secagg::PublicKeys {
+        fedpo_secagg::PublicKeys { channel, mask }
+    }
+}
+
+prop_compose! {
+    fn arb_bundle()(from in any::<u16>(), to in any::<u16>(), ciphertext in proptest::collection::vec(any::<u8>(), 0..100))
+        -> fedpo_secagg::ShareBundle {
+        fedpo_secagg::ShareBundle { from, to, ciphertext }
+    }
+}
+
+fn arb_shares() -> impl Strategy<Value = Vec<(u16, Vec<u8>)>> {
+    proptest::collection::vec((any::<u16>(), proptest::collection::vec(any::<u8>(), 33)), 0..5)
+}
+
+fn arb_secagg_message() -> impl Strategy<Value = SecAggMessage> {
+    let parties = || proptest::collection::vec(any::<u16>(), 0..6);
+    prop_oneof![
+        (any::<u64>(), name(), arb_keys()).prop_map(|(round, device, keys)| SecAggMessage::Keys {
+            round,
+            device,
+            keys
+        }),
+        (any::<u64>(), proptest::collection::vec(proptest::option::of(arb_keys()), 0..6))
+            .prop_map(|(round, keys)| SecAggMessage::KeyList { round, keys }),
+        (any::<u64>(), name(), proptest::collection::vec(arb_bundle(), 0..4))
+            .prop_map(|(round, device, bundles)| SecAggMessage::Shares { round, device, bundles }),
+        (any::<u64>(), proptest::collection::vec(arb_bundle(), 0..4), parties())
+            .prop_map(|(round, bundles, sharing)| SecAggMessage::Relay { round, bundles, sharing }),
+        (any::<u64>(), parties(), parties()).prop_map(|(round, survivors, dropped)| SecAggMessage::Unmask {
+            round,
+            request: fedpo_secagg::UnmaskRequest { survivors, dropped }
+        }),
+        (any::<u64>(), name(), any::<u16>(), arb_shares(), arb_shares()).prop_map(
+            |(round, device, from, seed_shares, mask_shares)| SecAggMessage::Unmasked {
+                round,
+                device,
+                response: fedpo_secagg::UnmaskResponse { from, seed_shares, mask_shares }
+            }
+        ),
     ]
 }
 
@@ -181,6 +235,7 @@ fn plan_with_non_finite_learning_rate_is_refused() {
         global_model: manifest("r1/global", 4, 1),
         sections: Default::default(),
         signature: Vec::new(),
+        secagg: None,
     });
     let err = Message::decode(&msg.encode(), &Limits::default()).unwrap_err();
     assert!(err.to_string().contains("lr"), "{err}");
@@ -197,6 +252,7 @@ fn plan_with_an_oversized_model_spec_is_refused_naming_the_field() {
         global_model: manifest("r1/global", 4, 1),
         sections: Default::default(),
         signature: Vec::new(),
+        secagg: None,
     });
     let err = Message::decode(&msg.encode(), &Limits::default()).unwrap_err().to_string();
     assert!(err.contains("model_spec") && err.contains("65536"), "{err}");

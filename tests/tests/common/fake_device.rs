@@ -5,8 +5,8 @@ use std::time::{Duration, Instant};
 
 use fedpo_transport::{BrokerUrl, LinkEvent, LinkOptions, MqttLink, Topics};
 use fedpo_wire::{
-    split_payload, DeviceBye, DeviceHello, Limits, Message, RoundPlan, TensorPayload, ToWire, TransferChunk, Update,
-    UpdateMetrics, WireDType, DEFAULT_CHUNK_BYTES,
+    split_payload, DeviceBye, DeviceHello, Limits, Message, RoundPlan, SecAggMessage, TensorPayload, ToWire,
+    TransferChunk, Update, UpdateMetrics, WireDType, DEFAULT_CHUNK_BYTES,
 };
 
 /// A tensor the fake device makes up.
@@ -127,5 +127,33 @@ impl FakeDevice {
     /// Waits until everything published has been acknowledged by the broker.
     pub fn flush(&self) -> bool {
         self.link.flush(Duration::from_secs(30))
+    }
+
+    /// Takes part in a secure-aggregation round up to the shares (keys, then shares on
+    /// the key list), then leaves with a goodbye before sending any input.
+    pub fn share_then_leave(&self, plan: &RoundPlan) {
+        let settings = plan.secagg.expect("a secure-aggregation plan");
+        let party = plan.selected.iter().position(|d| d == &self.id).unwrap() as fedpo_secagg::Party;
+        let mut client = fedpo_secagg::Client::new(plan.round, party, usize::from(settings.threshold));
+        let keys = SecAggMessage::Keys { round: plan.round, device: self.id.clone(), keys: client.public_keys() };
+        self.link.publish(&self.topics.up(&self.id), Message::SecAgg(keys).encode()).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            assert!(Instant::now() < deadline, "no key list for round {}", plan.round);
+            let Ok(Some(LinkEvent::Message(d))) = self.link.recv_timeout(Duration::from_millis(100)) else { continue };
+            if let Ok(Message::SecAgg(SecAggMessage::KeyList { round, keys })) =
+                Message::decode(&d.payload, &Limits::default())
+            {
+                if round == plan.round {
+                    let bundles = client.share(&keys).unwrap();
+                    let shares = SecAggMessage::Shares { round, device: self.id.clone(), bundles };
+                    self.link.publish(&self.topics.up(&self.id), Message::SecAgg(shares).encode()).unwrap();
+                    break;
+                }
+            }
+        }
+        let bye = Message::Bye(DeviceBye { device: self.id.clone(), reason: "gone after sharing".into() });
+        self.link.publish(&self.topics.up(&self.id), bye.encode()).unwrap();
+        assert!(self.flush());
     }
 }
