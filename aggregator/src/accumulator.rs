@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 
 use anyhow::{bail, Result};
-use fedpo_wire::TensorPayload;
+use fedpo_wire::{TensorPayload, WireDType};
 
 use crate::global_model::GlobalModel;
 
@@ -41,6 +41,9 @@ impl WeightedSum {
             let Some(g) = model.get(t.name()).filter(|g| g.shared) else {
                 bail!("update holds `{}`, which is not a shared tensor of this job", t.name());
             };
+            if t.dtype() == WireDType::U32 {
+                bail!("update tensor `{}` holds u32 words, not values (secure aggregation is off)", t.name());
+            }
             let shape: Vec<u64> = g.shape.iter().map(|&d| d as u64).collect();
             if t.shape() != shape.as_slice() {
                 bail!("update tensor `{}` has shape {:?}, the global model {:?}", t.name(), t.shape(), shape);
@@ -120,7 +123,7 @@ impl WeightedSum {
 #[cfg(test)]
 mod tests {
     use fedpo_model::{Gpt2Config, Partition, PartitionPreset, PolicySpec};
-    use fedpo_wire::WireDType;
+    use fedpo_wire::WireTensor;
 
     use super::*;
     use crate::global_model::GlobalTensor;
@@ -167,6 +170,11 @@ mod tests {
         let err = WeightedSum::check(&global, &short).unwrap_err().to_string();
         assert!(err.contains("`a`") && err.contains("[1]") && err.contains("[2]"), "{err}");
         assert!(WeightedSum::check(&global, &TensorPayload::default()).is_ok(), "evaluation rounds send nothing");
+        // Words under a shared tensor's name and shape, as a hostile device could send.
+        let words: WireTensor =
+            serde_json::from_str(r#"{"name":"a","dtype":"u32","shape":[2],"data":[1,0,0,0,2,0,0,0]}"#).unwrap();
+        let err = WeightedSum::check(&global, &TensorPayload { tensors: vec![words] }).unwrap_err().to_string();
+        assert!(err.contains("u32 words"), "{err}");
     }
 
     #[test]

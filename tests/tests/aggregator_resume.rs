@@ -8,10 +8,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use candle_core::Device;
 use common::{binary, decode_rounds, Wiretap};
 use fedpo_data::synthetic::{generate_device, SyntheticSpec};
-use fedpo_device::participant::{self, ParticipantConfig};
+use fedpo_device::participant;
 use fedpo_transport::EmbeddedBroker;
 
 fn spawn_aggregator(url: &str, out: &std::path::Path, resume: bool) -> Child {
@@ -48,22 +47,10 @@ fn aggregator_restarted_with_resume_continues_at_the_next_round_from_the_checkpo
     let devices: Vec<_> = (0..3)
         .map(|k| {
             let data = generate_device(&spec, k).unwrap();
-            let cfg = ParticipantConfig {
-                broker: url.clone(),
-                tls: Default::default(),
-                job: "resume".into(),
-                id: format!("dev-{k}"),
-                state_dir: dir.path().join(format!("dev-{k}")),
-                train: data.train,
-                heldout: data.heldout,
-                max_len: 64,
-                compute: Device::Cpu,
-                max_memory_mib: None,
-                compute_dtype: candle_core::DType::F32,
-                trusted_key: None,
-                adversary: None,
-                stop: stop.clone(),
-            };
+            let id = format!("dev-{k}");
+            let mut cfg =
+                common::participant_config(&url, "resume", &id, dir.path().join(&id), (data.train, data.heldout), 64);
+            cfg.stop = stop.clone();
             std::thread::spawn(move || participant::run(cfg))
         })
         .collect();
@@ -113,4 +100,18 @@ fn aggregator_restarted_with_resume_continues_at_the_next_round_from_the_checkpo
     assert_eq!(resumed_record["participants"].as_array().unwrap().len(), 3, "{resumed_record}");
     let summary: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("summary.json")).unwrap()).unwrap();
     assert_eq!(summary["rounds"], 3);
+
+    // Across the restart, each round's new model (the next plan's) is exactly the
+    // pair-weighted mean of that round's updates, each counted once.
+    let all = decode_rounds(&heard);
+    for r in 1..=3u64 {
+        let this = &all[&r];
+        assert_eq!(this.updates.len(), 3, "round {r}: every device's update heard");
+        let updates: Vec<_> = this.updates.values().collect();
+        let next = all[&(r + 1)].global.as_ref().expect("the next round's model on the wire");
+        let worst = common::gap_from_weighted_mean(this.global.as_ref().unwrap(), &updates, |name| {
+            common::tensor_values(next, name)
+        });
+        assert!(worst <= 1e-6, "round {r}: the model differs from the updates' mean by {worst:e}");
+    }
 }
