@@ -4,6 +4,10 @@
 //! client reconnects; the round completes with every device's update, none lost and none
 //! counted twice, and each new global model is exactly the pair-weighted mean of the
 //! updates.
+//!
+//! The fleet reaches the broker through a gated proxy and the wiretap connects directly,
+//! so the test can hold the fleet off until the tap has subscribed again: whatever a
+//! device resends after the restart is then heard and checked.
 
 mod common;
 
@@ -13,13 +17,16 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use candle_core::Device;
+use common::gated_proxy::GatedProxy;
 use common::{decode_rounds, tensor_values, Wiretap};
 use fedpo_data::synthetic::{generate_device, SyntheticSpec};
 use fedpo_model::io::read_safetensors;
-use fedpo_transport::BrokerUrl;
+use fedpo_transport::{BrokerUrl, LinkOptions, MqttLink};
 use fedpo_wire::{Limits, Message, TensorPayload};
 
 const JOB: &str = "restart";
+/// Published by the test itself to learn that the tap hears the restarted broker.
+const PROBE_TOPIC: &str = "fedpo/probe";
 
 /// A plain Mosquitto on a loopback port, without persistence.
 fn start_mosquitto(dir: &Path, port: u16) -> Child {
@@ -46,8 +53,10 @@ fn a_broker_restarted_mid_round_loses_no_update_and_the_model_is_the_mean_of_the
     let dir = tempfile::tempdir().unwrap();
     let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let mut broker = start_mosquitto(dir.path(), port);
-    let url = BrokerUrl::parse(&format!("mqtt://127.0.0.1:{port}")).unwrap();
-    let tap = Wiretap::start(&url, "fedpo/#");
+    let direct = BrokerUrl::parse(&format!("mqtt://127.0.0.1:{port}")).unwrap();
+    let proxy = GatedProxy::start(port);
+    let url = BrokerUrl::parse(&format!("mqtt://127.0.0.1:{}", proxy.port())).unwrap();
+    let tap = Wiretap::start(&direct, "fedpo/#");
     let out = dir.path().join("aggregator");
     let aggregator = {
         let extra = ["--rounds", "2", "--local-steps", "1", "--no-final-eval", "--round-deadline", "300"];
@@ -73,16 +82,19 @@ fn a_broker_restarted_mid_round_loses_no_update_and_the_model_is_the_mean_of_the
         assert!(Instant::now() < deadline, "no round-1 update was announced");
         std::thread::sleep(Duration::from_millis(20));
     }
+    proxy.close();
     broker.kill().unwrap();
     broker.wait().unwrap();
     let restarted_at = Instant::now();
     std::thread::sleep(Duration::from_secs(1));
     let mut broker = start_mosquitto(dir.path(), port);
+    wait_until_the_tap_hears_the_broker(&direct, &tap);
+    proxy.open();
 
     aggregator.join().unwrap().expect("the aggregator finishes the job");
     let finished_after = restarted_at.elapsed();
     devices.into_iter().for_each(|d| d.join().unwrap());
-    let heard = tap.stop();
+    let heard: Vec<_> = tap.stop().into_iter().filter(|d| d.topic != PROBE_TOPIC).collect();
     broker.kill().unwrap();
     let _ = broker.wait();
 
@@ -111,4 +123,17 @@ fn a_broker_restarted_mid_round_loses_no_update_and_the_model_is_the_mean_of_the
         });
         assert!(worst <= 1e-6, "round {r}: the model differs from the updates' mean by {worst:e}");
     }
+}
+
+/// Publishes probes directly to the broker until the tap hears one: it has reconnected
+/// and subscribed again.
+fn wait_until_the_tap_hears_the_broker(direct: &BrokerUrl, tap: &Wiretap) {
+    let probe = MqttLink::connect(direct, &LinkOptions::new("probe")).expect("the probe connects");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !tap.heard().iter().any(|d| d.topic == PROBE_TOPIC) {
+        assert!(Instant::now() < deadline, "the wiretap did not come back after the restart");
+        probe.publish(PROBE_TOPIC, b"probe".to_vec()).unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    probe.close(Duration::from_millis(100));
 }

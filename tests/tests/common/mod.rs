@@ -4,6 +4,7 @@
 #![allow(dead_code, unreachable_pub)]
 
 pub mod fake_device;
+pub mod gated_proxy;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
