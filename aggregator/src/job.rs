@@ -117,6 +117,11 @@ pub(crate) struct JobArgs {
     pub(crate) max_update_norm: Option<f64>,
     #[command(flatten)]
     pub(crate) aggregation: AggregationArgs,
+    /// How devices encode their update: f32, bf16, f16, int8 (per-block absmax, 0.27x the
+    /// bytes) or topk:F (the largest fraction F of each tensor's entries; what is left out
+    /// is kept on the device and sent in later rounds).
+    #[arg(long, value_name = "CODEC", default_value = "f32")]
+    pub(crate) update_codec: fedpo_wire::UpdateCodec,
     /// Secure aggregation (pairwise masking, Bonawitz et al. 2017): devices upload masked
     /// fixed-point updates and the aggregator learns only their pair-weighted sum, even
     /// if devices drop out after the key exchange.
@@ -241,6 +246,12 @@ impl JobArgs {
         }
         if self.max_update_norm.is_some() {
             bail!("--max-update-norm checks each device's update, and {hidden}");
+        }
+        if self.update_codec != fedpo_wire::UpdateCodec::F32 {
+            bail!(
+                "--update-codec {} cannot apply: secure aggregation uploads masked fixed-point words of its own; drop --update-codec",
+                self.update_codec
+            );
         }
         if self.diagnostics {
             bail!("--diagnostics uploads each device's gradient in clear, which secure aggregation exists to prevent");

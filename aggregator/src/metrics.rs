@@ -46,6 +46,10 @@ pub(crate) struct RoundRecord {
     pub(crate) device_grad_norm: f64,
     /// Update bytes received.
     pub(crate) bytes_up: u64,
+    /// Of bytes_up, each device's (its update and sections, duplicates not counted): what
+    /// one device's uplink carried this round, by which the update codecs are compared.
+    #[serde(default)]
+    pub(crate) bytes_up_by_device: BTreeMap<String, u64>,
     /// Global-model bytes published (once per publish; the broker fans them out).
     pub(crate) bytes_down: u64,
     pub(crate) seconds: f64,

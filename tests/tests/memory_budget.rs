@@ -58,6 +58,7 @@ fn device_over_its_memory_budget_leaves_the_job_before_downloading_the_model() {
         sections: Default::default(),
         signature: Vec::new(),
         secagg: None,
+        update_codec: Default::default(),
     });
     let aggregator = MqttLink::connect(&url, &LinkOptions::new("fake-aggregator")).unwrap();
     let down = Topics::new("mem").unwrap().down();

@@ -67,6 +67,7 @@ impl Server {
             Ok(BundleProgress::Foreign | BundleProgress::Duplicate) => {}
             Ok(progress) => {
                 open.bytes_up += len;
+                *open.bytes_up_by_device.entry(device.to_string()).or_default() += len;
                 if diagnostic {
                     open.diagnostics_bytes += len;
                 }
@@ -124,6 +125,15 @@ impl Server {
     fn verify(&self, open: &OpenRound, bytes: &BundleBytes) -> Result<(TensorPayload, Vec<(String, TensorPayload)>)> {
         let delta = TensorPayload::from_bytes(&bytes.main, &self.limits, true)?;
         WeightedSum::check(&self.global, &delta)?;
+        let codec = open.plan.update_codec;
+        if let Some(t) = delta.tensors.iter().find(|t| t.dtype() != codec.dtype()) {
+            bail!(
+                "update tensor `{}` is {}, and this round's plan asks for {} (--update-codec {codec})",
+                t.name(),
+                t.dtype(),
+                codec.dtype()
+            );
+        }
         if delta.tensors.is_empty() && !open.evaluation {
             bail!("an empty update in a training round")
         }

@@ -82,6 +82,7 @@ struct OpenRound {
     /// bytes, so the round stops waiting for them.
     refused: BTreeSet<String>,
     bytes_up: u64,
+    bytes_up_by_device: BTreeMap<String, u64>,
     bytes_down: u64,
     /// Secure aggregation's state, in a round that uses it.
     secure: Option<secure::SecureCollect>,
@@ -320,6 +321,7 @@ impl Server {
             sections,
             signature: Vec::new(), // signed as published
             secagg: secure.as_ref().map(|s| s.settings),
+            update_codec: self.job.update_codec,
         };
         let training = !evaluation;
         let mut open = OpenRound {
@@ -341,6 +343,7 @@ impl Server {
             rejected: BTreeMap::new(),
             refused: BTreeSet::new(),
             bytes_up: 0,
+            bytes_up_by_device: BTreeMap::new(),
             bytes_down: 0,
             secure,
             secure_sum: None,
@@ -413,6 +416,7 @@ impl Server {
             device_grad_norm: weighted(&|m| m.grad_norm),
             diagnostics_bytes: open.diagnostics_bytes,
             bytes_up: open.bytes_up,
+            bytes_up_by_device: open.bytes_up_by_device.clone(),
             bytes_down: open.bytes_down,
             rejected: open.rejected.clone(),
             ..RoundRecord::default()

@@ -180,7 +180,7 @@ mod tests {
         let a = TokenizedPair { prompt: vec![1], chosen: vec![2], rejected: vec![3] };
         let mut b = a.clone();
         b.rejected[0] = 4;
-        assert_ne!(fingerprint(&[a.clone()]), fingerprint(&[b]));
-        assert_eq!(fingerprint(&[a.clone()]), fingerprint(&[a]));
+        assert_ne!(fingerprint(std::slice::from_ref(&a)), fingerprint(&[b]));
+        assert_eq!(fingerprint(std::slice::from_ref(&a)), fingerprint(&[a]));
     }
 }

@@ -9,7 +9,7 @@
 use std::fmt;
 use std::str::FromStr;
 
-use fedpo_wire::{TensorPayload, ToWire, WireDType, WireTensor};
+use fedpo_wire::{TensorPayload, ToWire, WireTensor};
 
 /// What an attacking device does to its update Δ before uploading it.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -32,7 +32,7 @@ impl Adversary {
             .iter()
             .map(|t| {
                 let values: Vec<f32> = t.values().into_iter().map(|v| v * k).collect();
-                WireTensor::from_shared(&Scaled { name: t.name(), shape: t.shape(), values }, WireDType::F32)
+                WireTensor::from_shared(&Scaled { name: t.name(), shape: t.shape(), values }, t.dtype())
             })
             .collect();
         TensorPayload { tensors }
@@ -109,7 +109,7 @@ mod tests {
 
     #[test]
     fn attacks_flip_or_scale_every_value_and_keep_names_and_shapes() {
-        let honest = TensorPayload::encode(&[T(vec![1.0, -2.0])], WireDType::F32);
+        let honest = TensorPayload::encode(&[T(vec![1.0, -2.0])], fedpo_wire::WireDType::F32);
         let flipped = "sign-flip:3".parse::<Adversary>().unwrap().apply(&honest);
         assert_eq!(flipped.tensors[0].values(), vec![-3.0, 6.0]);
         assert_eq!((flipped.tensors[0].name(), flipped.tensors[0].shape()), ("w", &[2u64][..]));

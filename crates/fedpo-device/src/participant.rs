@@ -16,7 +16,7 @@ use fedpo_model::Gpt2Tokenizer;
 use fedpo_transport::{BrokerUrl, LinkEvent, LinkOptions, MqttLink, TlsFiles, Topics};
 use fedpo_wire::{
     split_payload, Bundle, BundleBytes, BundleProgress, DeviceBye, DeviceHello, Limits, Message, PlanVerifier,
-    RoundPlan, TensorPayload, Update, WireDType, DEFAULT_CHUNK_BYTES,
+    Residual, RoundPlan, TensorPayload, Update, WireDType, DEFAULT_CHUNK_BYTES,
 };
 use thiserror::Error;
 
@@ -424,7 +424,15 @@ impl Participant {
         if plan.secagg.is_some() && !outcome.delta.is_empty() {
             return self.secure_update(plan, &outcome.delta, sha, outcome.metrics, progress);
         }
-        let mut payload = TensorPayload::encode(&outcome.delta, WireDType::F32);
+        let codec = plan.update_codec;
+        let (mut payload, residual) = if codec.uses_error_feedback() {
+            let mut residual = self.state.residual(progress.last_round)?;
+            let payload = residual.compress(&outcome.delta, codec);
+            tracing::debug!(owed = format_args!("{:.4}", residual.norm()), %codec, "error feedback");
+            (payload, Some(residual))
+        } else {
+            (TensorPayload::compress(&outcome.delta, codec), None)
+        };
         if let Some(adversary) = &self.cfg.adversary {
             payload = adversary.apply(&payload);
         }
@@ -433,11 +441,12 @@ impl Participant {
             .iter()
             .map(|(name, tensors)| (name.clone(), TensorPayload::encode(tensors, WireDType::F32)))
             .collect();
-        self.send_update(plan.round, sha, payload, sections, outcome.metrics, progress)
+        self.send_update(plan.round, sha, payload, sections, outcome.metrics, progress, residual)
     }
 
     /// Splits an update and its sections into chunks, saves it for resending, records the
-    /// round as done and publishes it.
+    /// round as done (with the error-feedback residual it leaves, if any) and publishes it.
+    #[allow(clippy::too_many_arguments)]
     fn send_update(
         &mut self,
         round: u64,
@@ -446,6 +455,7 @@ impl Participant {
         sections: Vec<(String, TensorPayload)>,
         metrics: fedpo_wire::UpdateMetrics,
         mut progress: Progress,
+        residual: Option<Residual>,
     ) -> Result<(), ParticipantError> {
         let transfer = format!("r{round}/{}", self.cfg.id);
         let (manifest, mut chunks) = split_payload(&transfer, &payload, DEFAULT_CHUNK_BYTES);
@@ -465,8 +475,14 @@ impl Participant {
         };
         let sent = SentUpdate { global_sha256, update, chunks };
         self.state.save_last_update(&sent)?;
+        if let Some(residual) = &residual {
+            self.state.stage_residual(round, residual)?;
+        }
         progress.last_round = round;
         self.state.save_progress(&progress)?;
+        if residual.is_some() {
+            self.state.commit_residual()?;
+        }
         self.publish_update(&sent)?;
         self.summary.rounds.push(round);
         tracing::info!(round, "update sent");

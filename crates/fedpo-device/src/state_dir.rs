@@ -4,14 +4,21 @@
 //! - `ref_train.json`, `ref_heldout.json`: reference log-probs, computed once;
 //! - `progress.json`: the last round it trained and the model its reference came from;
 //! - `last_update.cbor`: the update it last sent, to send again if the aggregator
-//!   restarts mid-round and asks for the same round.
+//!   restarts mid-round and asks for the same round;
+//! - `residual.safetensors`: what a top-k update codec has not sent yet (error
+//!   feedback), tagged with the round after which it is owed. A round's new residual is
+//!   first written as `residual.next.safetensors` and renamed over the old one only once
+//!   the round is recorded in `progress.json`, so a crash in between can neither drop
+//!   what was owed nor count it twice.
 //!
 //! Every file is written atomically (temp file, fsync, rename).
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use fedpo_model::io::write_atomic;
-use fedpo_wire::{TransferChunk, Update};
+use candle_core::{Device, Tensor};
+use fedpo_model::io::{read_safetensors, write_atomic, write_safetensors};
+use fedpo_wire::{Residual, TransferChunk, Update};
 use serde::{Deserialize, Serialize};
 
 use crate::participant::ParticipantError;
@@ -81,4 +88,73 @@ impl StateDir {
         let bytes = serde_cbor::to_vec(u).map_err(|e| io_err(&path, e))?;
         write_atomic(&path, &bytes).map_err(|e| io_err(&path, e))
     }
+
+    /// What compression still owes after round `last_round`, the last one recorded in
+    /// progress: a staged residual of that round is committed first (the crash came after
+    /// the progress was saved), one of a later round is discarded (the round will be
+    /// trained again). A file that cannot be read is reported and starts afresh: error
+    /// feedback then forgets what was owed but the job goes on.
+    pub(crate) fn residual(&self, last_round: u64) -> Result<Residual, ParticipantError> {
+        let (next, current) = (self.path("residual.next.safetensors"), self.path("residual.safetensors"));
+        if next.exists() {
+            match read_residual(&next) {
+                Ok((round, _)) if round == last_round => {
+                    std::fs::rename(&next, &current).map_err(|e| io_err(&next, e))?
+                }
+                _ => std::fs::remove_file(&next).map_err(|e| io_err(&next, e))?,
+            }
+        }
+        match read_residual(&current) {
+            Ok((round, residual)) if round <= last_round => Ok(residual),
+            Ok((round, _)) => {
+                tracing::warn!(
+                    round,
+                    last_round,
+                    "residual is from a round this device has not recorded; starting afresh"
+                );
+                Ok(Residual::default())
+            }
+            Err(_) if !current.exists() => Ok(Residual::default()),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read the error-feedback residual; starting afresh");
+                Ok(Residual::default())
+            }
+        }
+    }
+
+    /// Writes the residual owed after `round`, to be committed by
+    /// [`StateDir::commit_residual`] once the round is recorded.
+    pub(crate) fn stage_residual(&self, round: u64, residual: &Residual) -> Result<(), ParticipantError> {
+        let path = self.path("residual.next.safetensors");
+        let tensors = residual
+            .tensors
+            .iter()
+            .map(|(name, values)| Ok((name.clone(), Tensor::from_slice(values, values.len(), &Device::Cpu)?)))
+            .collect::<candle_core::Result<Vec<_>>>()
+            .map_err(|e| io_err(&path, e))?;
+        let metadata = HashMap::from([("round".to_string(), round.to_string())]);
+        write_safetensors(&path, &tensors, metadata).map_err(|e| io_err(&path, e))
+    }
+
+    /// Makes the staged residual the current one.
+    pub(crate) fn commit_residual(&self) -> Result<(), ParticipantError> {
+        let next = self.path("residual.next.safetensors");
+        std::fs::rename(&next, self.path("residual.safetensors")).map_err(|e| io_err(&next, e))
+    }
+}
+
+/// A residual file: the round it is owed after, and its values.
+fn read_residual(path: &Path) -> Result<(u64, Residual), ParticipantError> {
+    let file = read_safetensors(path, &Device::Cpu).map_err(|e| io_err(path, e))?;
+    let round = file
+        .metadata
+        .get("round")
+        .and_then(|r| r.parse().ok())
+        .ok_or_else(|| io_err(path, "no round in its metadata"))?;
+    let mut residual = Residual::default();
+    for (name, t) in &file.tensors.tensors {
+        let values = t.flatten_all().and_then(|t| t.to_vec1::<f32>()).map_err(|e| io_err(path, e))?;
+        residual.tensors.insert(name.clone(), values);
+    }
+    Ok((round, residual))
 }

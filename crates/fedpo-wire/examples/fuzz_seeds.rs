@@ -5,7 +5,9 @@
 
 use std::path::Path;
 
-use fedpo_wire::{split_payload, DeviceHello, Hyperparameters, Message, RoundPlan, TensorPayload, ToWire, WireDType};
+use fedpo_wire::{
+    split_payload, DeviceHello, Hyperparameters, Message, RoundPlan, TensorPayload, ToWire, UpdateCodec, WireDType,
+};
 
 struct T(&'static str, Vec<u64>, Vec<f32>);
 
@@ -54,6 +56,7 @@ fn main() -> std::io::Result<()> {
         sections: Default::default(),
         signature: Vec::new(),
         secagg: None,
+        update_codec: UpdateCodec::TopK(0.05),
     });
     let hello = Message::Hello(DeviceHello {
         device: "pi-7".into(),
@@ -69,6 +72,14 @@ fn main() -> std::io::Result<()> {
     write(&root.join("decode_message"), "hello", &hello.encode())?;
     write(&root.join("decode_message"), "chunk", &chunk_messages[0])?;
     write(&root.join("decode_payload"), "payload", &payload.to_bytes())?;
+    for codec in [UpdateCodec::Int8, UpdateCodec::TopK(0.25)] {
+        let compressed = TensorPayload::compress(&tensors, codec);
+        write(
+            &root.join("decode_payload"),
+            &format!("payload_{}", compressed.tensors[0].dtype()),
+            &compressed.to_bytes(),
+        )?;
+    }
     let mut transfer = vec![plan.encode()];
     transfer.extend(chunk_messages);
     write(&root.join("reassemble"), "plan_and_chunks", &framed(&transfer))?;

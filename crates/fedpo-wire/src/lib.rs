@@ -1,5 +1,6 @@
 //! fedpo's wire protocol: versioned CBOR messages between devices and the aggregator,
-//! named tensor payloads (f32, bf16, f16), and chunked transfers verified by SHA-256.
+//! named tensor payloads (f32, bf16, f16 and the compressed int8 and top-k
+//! encodings), and chunked transfers verified by SHA-256.
 //!
 //! Everything decoded here is untrusted: [`Message::decode`] and
 //! [`TensorPayload::from_bytes`] check sizes against [`Limits`] before they allocate, refuse
@@ -8,6 +9,7 @@
 
 mod bundle;
 mod chunk;
+mod codec;
 mod error;
 pub mod keys;
 mod limits;
@@ -18,6 +20,7 @@ mod tensor;
 
 pub use bundle::{check_sections, Bundle, BundleBytes, BundleProgress, MAX_SECTIONS};
 pub use chunk::{sha256, split_payload, Progress, Reassembler};
+pub use codec::{Residual, UpdateCodec, INT8_BLOCK};
 pub use error::{Result, WireError};
 pub use limits::{Limits, DEFAULT_CHUNK_BYTES};
 pub use message::{
@@ -26,4 +29,4 @@ pub use message::{
 };
 pub use secure::{SecAggMessage, SecAggPlan};
 pub use signing::{PlanSigner, PlanVerifier, SignatureError};
-pub use tensor::{byte_len, TensorPayload, ToWire, WireDType, WireTensor, MASKED_TENSOR};
+pub use tensor::{byte_bounds, TensorPayload, ToWire, WireDType, WireTensor, MASKED_TENSOR};

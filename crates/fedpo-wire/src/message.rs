@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, WireError};
 use crate::limits::Limits;
-use crate::tensor::{byte_len, WireDType};
+use crate::tensor::{byte_bounds, WireDType};
 
 /// The protocol version this build speaks.
 pub const PROTOCOL_VERSION: u16 = 1;
@@ -116,6 +116,9 @@ pub struct RoundPlan {
     /// Secure aggregation for this round: devices upload masked fixed-point inputs.
     #[serde(default)]
     pub secagg: Option<crate::secure::SecAggPlan>,
+    /// How devices encode their update this round (absent from older plans: f32).
+    #[serde(default)]
+    pub update_codec: crate::codec::UpdateCodec,
 }
 
 /// What a device measured in its local round.
@@ -243,8 +246,8 @@ impl Manifest {
         let mut tensor_bytes: u64 = 0;
         for t in &self.tensors {
             check_name("tensor name", &t.name, limits)?;
-            let len = byte_len(&t.shape, t.dtype).unwrap_or(u64::MAX);
-            tensor_bytes = tensor_bytes.saturating_add(len);
+            let (least, _) = byte_bounds(&t.shape, t.dtype).unwrap_or((u64::MAX, u64::MAX));
+            tensor_bytes = tensor_bytes.saturating_add(least);
         }
         if tensor_bytes > self.bytes {
             return Err(WireError::TransferTooLarge { size: tensor_bytes, max: self.bytes });

@@ -153,6 +153,7 @@ MC4CAQAwBQYDK2VwBCIEIIcSE7MhiSE7IWxuP8sbDD87cpHdl64u81Gdu9NQyFIE
             sections: Default::default(),
             signature: Vec::new(),
             secagg: None,
+            update_codec: Default::default(),
         }
     }
 

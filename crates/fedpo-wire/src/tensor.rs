@@ -1,13 +1,15 @@
 //! Named tensors as they travel: dtype, shape and little-endian bytes.
 //!
-//! Values are `f32` on both ends; the codec only decides how they are carried. `bf16` and
-//! `f16` halve the bytes of an update at a precision cost the caller chooses.
+//! Values are `f32` on both ends; the dtype only decides how they are carried. `bf16` and
+//! `f16` halve the bytes of an update at a precision cost the caller chooses; `int8` and
+//! `sparse` are the compressed encodings of [`crate::codec`].
 
 use std::fmt;
 
 use half::{bf16, f16};
 use serde::{Deserialize, Serialize};
 
+use crate::codec::{self, INT8_BLOCK, SPARSE_ENTRY};
 use crate::error::{Result, WireError};
 use crate::limits::Limits;
 
@@ -24,16 +26,11 @@ pub enum WireDType {
     /// 32-bit words, little endian: secure aggregation's masked fixed-point values, which
     /// are not numbers until the aggregator removes the masks from their sum.
     U32,
-}
-
-impl WireDType {
-    /// Bytes per value.
-    pub fn size(self) -> u64 {
-        match self {
-            Self::F32 | Self::U32 => 4,
-            Self::Bf16 | Self::F16 => 2,
-        }
-    }
+    /// Blocks of [`INT8_BLOCK`] values: an f32 LE absmax scale, then one i8 per value.
+    Int8,
+    /// (u32 LE index, f32 LE value) entries with strictly rising indices; every other
+    /// value is zero.
+    Sparse,
 }
 
 impl fmt::Display for WireDType {
@@ -43,6 +40,8 @@ impl fmt::Display for WireDType {
             Self::Bf16 => "bf16",
             Self::F16 => "f16",
             Self::U32 => "u32",
+            Self::Int8 => "int8",
+            Self::Sparse => "sparse",
         })
     }
 }
@@ -76,23 +75,55 @@ pub struct WireTensor {
     data: Vec<u8>,
 }
 
-/// Bytes a shape of a dtype occupies, or `None` on overflow.
-pub fn byte_len(shape: &[u64], dtype: WireDType) -> Option<u64> {
-    shape.iter().try_fold(dtype.size(), |acc, &d| acc.checked_mul(d))
+/// Values in a shape, or `None` on overflow.
+fn value_count(shape: &[u64]) -> Option<u64> {
+    shape.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d))
+}
+
+/// The least and most bytes a shape of a dtype occupies, or `None` on overflow. They are
+/// equal for every dense encoding; a sparse tensor holds anywhere from no entry to one per
+/// value.
+pub fn byte_bounds(shape: &[u64], dtype: WireDType) -> Option<(u64, u64)> {
+    let n = value_count(shape)?;
+    let exact = |bytes: Option<u64>| bytes.map(|b| (b, b));
+    match dtype {
+        WireDType::F32 | WireDType::U32 => exact(n.checked_mul(4)),
+        WireDType::Bf16 | WireDType::F16 => exact(n.checked_mul(2)),
+        WireDType::Int8 => exact(n.div_ceil(INT8_BLOCK as u64).checked_mul(4).and_then(|s| s.checked_add(n))),
+        WireDType::Sparse => Some((0, n.checked_mul(SPARSE_ENTRY as u64)?)),
+    }
 }
 
 impl WireTensor {
     /// Encodes `values` (row-major, `shape`) with `dtype`.
     pub(crate) fn encode(name: impl Into<String>, shape: &[u64], values: &[f32], dtype: WireDType) -> Self {
-        let mut data = Vec::with_capacity(values.len() * dtype.size() as usize);
+        let capacity = byte_bounds(&[values.len() as u64], dtype).map_or(0, |(least, _)| least as usize);
+        let mut data = Vec::with_capacity(capacity);
         match dtype {
             WireDType::F32 => values.iter().for_each(|v| data.extend_from_slice(&v.to_le_bytes())),
             WireDType::Bf16 => values.iter().for_each(|v| data.extend_from_slice(&bf16::from_f32(*v).to_le_bytes())),
             WireDType::F16 => values.iter().for_each(|v| data.extend_from_slice(&f16::from_f32(*v).to_le_bytes())),
             // Masked words come from `WireTensor::masked`; floats saturate to words here.
             WireDType::U32 => values.iter().for_each(|v| data.extend_from_slice(&(*v as u32).to_le_bytes())),
+            WireDType::Int8 => codec::int8_encode(values, &mut data),
+            // Lossless: every non-zero value.
+            WireDType::Sparse => {
+                let entries: Vec<(u32, f32)> =
+                    values.iter().enumerate().filter(|(_, v)| **v != 0.0).map(|(i, v)| (i as u32, *v)).collect();
+                return Self::sparse(name, shape, &entries);
+            }
         }
         Self { name: name.into(), dtype, shape: shape.to_vec(), data }
+    }
+
+    /// A sparse tensor from (index, value) entries, indices strictly rising.
+    pub(crate) fn sparse(name: impl Into<String>, shape: &[u64], entries: &[(u32, f32)]) -> Self {
+        let mut data = Vec::with_capacity(entries.len() * SPARSE_ENTRY);
+        for (index, value) in entries {
+            data.extend_from_slice(&index.to_le_bytes());
+            data.extend_from_slice(&value.to_le_bytes());
+        }
+        Self { name: name.into(), dtype: WireDType::Sparse, shape: shape.to_vec(), data }
     }
 
     /// Encodes a tensor that may leave the device.
@@ -128,27 +159,41 @@ impl WireTensor {
                 reason: format!("{} bytes exceed the limit of {}", self.name.len(), limits.max_name_len),
             });
         }
-        let expected = byte_len(&self.shape, self.dtype).unwrap_or(u64::MAX);
-        if expected != self.data.len() as u64 {
+        let (least, most) = byte_bounds(&self.shape, self.dtype).unwrap_or((u64::MAX, u64::MAX));
+        let found = self.data.len() as u64;
+        if found < least || found > most || (self.dtype == WireDType::Sparse && found % SPARSE_ENTRY as u64 != 0) {
             return Err(WireError::TensorSizeMismatch {
                 name: self.name.clone(),
                 shape: self.shape.clone(),
                 dtype: self.dtype.to_string(),
-                expected,
-                found: self.data.len() as u64,
+                expected: if found > most { most } else { least },
+                found,
             });
+        }
+        if self.dtype == WireDType::Sparse {
+            // Few bytes can name a huge shape; the dense values it decodes to must fit
+            // what a dense transfer may carry.
+            let dense = most / SPARSE_ENTRY as u64 * 4;
+            if dense > limits.max_transfer_bytes {
+                return Err(WireError::TransferTooLarge { size: dense, max: limits.max_transfer_bytes });
+            }
+            let n = most / SPARSE_ENTRY as u64;
+            codec::check_sparse_indices(&self.data, n).map_err(|reason| WireError::InvalidField {
+                field: "sparse tensor",
+                reason: format!("`{}`: {reason}", self.name),
+            })?;
         }
         Ok(())
     }
 
-    /// Number of values.
+    /// Number of values the tensor stands for (its shape's product, saturating).
     pub fn len(&self) -> usize {
-        self.data.len() / self.dtype.size() as usize
+        value_count(&self.shape).and_then(|n| usize::try_from(n).ok()).unwrap_or(usize::MAX)
     }
 
-    /// Whether the tensor holds no values.
+    /// Whether the tensor stands for no values.
     pub fn is_empty(&self) -> bool {
-        self.data.is_empty()
+        self.len() == 0
     }
 
     /// The values as f32.
@@ -158,6 +203,8 @@ impl WireTensor {
             WireDType::Bf16 => self.data.chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
             WireDType::F16 => self.data.chunks_exact(2).map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
             WireDType::U32 => self.words().into_iter().map(|w| w as f32).collect(),
+            WireDType::Int8 => codec::int8_decode(&self.data, self.len()),
+            WireDType::Sparse => codec::sparse_decode(&self.data, self.len()),
         }
     }
 
@@ -194,6 +241,13 @@ impl TensorPayload {
     /// Encodes tensors that may leave the device, in the given order.
     pub fn encode<'a, T: ToWire + 'a>(tensors: impl IntoIterator<Item = &'a T>, dtype: WireDType) -> Self {
         Self { tensors: tensors.into_iter().map(|t| WireTensor::from_shared(t, dtype)).collect() }
+    }
+
+    /// Encodes tensors that may leave the device with an update codec, without error
+    /// feedback (see [`crate::Residual`] for the codecs that need it).
+    pub fn compress<'a, T: ToWire + 'a>(tensors: impl IntoIterator<Item = &'a T>, codec: crate::UpdateCodec) -> Self {
+        let encode = |t: &T| codec.encode(t.wire_name(), &t.wire_shape(), t.wire_values());
+        Self { tensors: tensors.into_iter().map(encode).collect() }
     }
 
     /// CBOR bytes of the payload.
@@ -274,5 +328,45 @@ mod tests {
             TensorPayload::from_bytes(&p.to_bytes(), &limits, true),
             Err(WireError::TooManyTensors { count: 5, max: 4 })
         );
+    }
+
+    #[test]
+    fn sparse_tensors_with_bad_indices_or_a_huge_shape_are_refused_naming_the_tensor() {
+        let limits = Limits::default();
+        let ok = WireTensor::sparse("d", &[10], &[(2, 1.0), (7, -1.0)]);
+        ok.validate(&limits).unwrap();
+        assert_eq!(ok.values(), vec![0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, -1.0, 0.0, 0.0]);
+        for (entries, why) in [
+            (vec![(7, 1.0), (2, 1.0)], "not above"),
+            (vec![(3, 1.0), (3, 2.0)], "not above"),
+            (vec![(10, 1.0)], "past"),
+        ] {
+            let err = WireTensor::sparse("d", &[10], &entries).validate(&limits).unwrap_err().to_string();
+            assert!(err.contains("`d`") && err.contains(why), "{err}");
+        }
+        let mut torn = ok.clone();
+        torn.data.pop();
+        assert!(matches!(torn.validate(&limits), Err(WireError::TensorSizeMismatch { .. })));
+        // Eight bytes must not decode into a petabyte of zeros.
+        let huge = WireTensor::sparse("d", &[1 << 40], &[(0, 1.0)]);
+        assert!(matches!(huge.validate(&limits), Err(WireError::TransferTooLarge { .. })));
+    }
+
+    #[test]
+    fn int8_bytes_must_match_the_shape_block_by_block() {
+        let t = WireTensor::encode("q", &[130], &[0.5; 130], WireDType::Int8);
+        assert_eq!(t.data.len(), 130 + 3 * 4);
+        t.validate(&Limits::default()).unwrap();
+        let mut short = t.clone();
+        short.data.truncate(133);
+        let err = short.validate(&Limits::default()).unwrap_err().to_string();
+        assert!(err.contains("142") && err.contains("133"), "{err}");
+    }
+
+    #[test]
+    fn lossless_sparse_encoding_keeps_exactly_the_non_zero_values() {
+        let values = [0.0, 3.5, 0.0, -1.25, 0.0];
+        let t = WireTensor::encode("s", &[5], &values, WireDType::Sparse);
+        assert_eq!((t.data.len(), t.values()), (2 * SPARSE_ENTRY, values.to_vec()));
     }
 }

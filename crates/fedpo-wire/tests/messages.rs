@@ -60,10 +60,23 @@ fn arb_message() -> impl Strategy<Value = Message> {
             arb_manifest(),
             proptest::collection::btree_map("[a-z_]{1,12}", finite(), 0..4),
             prop_oneof![Just(Vec::new()), proptest::collection::vec(any::<u8>(), 64)],
-            proptest::option::of(arb_secagg_plan())
+            proptest::option::of(arb_secagg_plan()),
+            arb_codec()
         )
             .prop_map(
-                |(round, selected, local_steps, lr, beta, batch_pairs, global_model, strategy, signature, secagg)| {
+                |(
+                    round,
+                    selected,
+                    local_steps,
+                    lr,
+                    beta,
+                    batch_pairs,
+                    global_model,
+                    strategy,
+                    signature,
+                    secagg,
+                    update_codec,
+                )| {
                     Message::Plan(RoundPlan {
                         round,
                         selected,
@@ -74,6 +87,7 @@ fn arb_message() -> impl Strategy<Value = Message> {
                         sections: Default::default(),
                         signature,
                         secagg,
+                        update_codec,
                     })
                 }
             ),
@@ -106,6 +120,16 @@ fn arb_message() -> impl Strategy<Value = Message> {
             }),
         (name(), "[ -~]{0,80}").prop_map(|(device, reason)| Message::Bye(DeviceBye { device, reason })),
         arb_secagg_message().prop_map(Message::SecAgg),
+    ]
+}
+
+fn arb_codec() -> impl Strategy<Value = UpdateCodec> {
+    prop_oneof![
+        Just(UpdateCodec::F32),
+        Just(UpdateCodec::Bf16),
+        Just(UpdateCodec::F16),
+        Just(UpdateCodec::Int8),
+        (1e-4f32..=1.0).prop_map(UpdateCodec::TopK),
     ]
 }
 
@@ -236,6 +260,7 @@ fn plan_with_non_finite_learning_rate_is_refused() {
         sections: Default::default(),
         signature: Vec::new(),
         secagg: None,
+        update_codec: Default::default(),
     });
     let err = Message::decode(&msg.encode(), &Limits::default()).unwrap_err();
     assert!(err.to_string().contains("lr"), "{err}");
@@ -253,6 +278,7 @@ fn plan_with_an_oversized_model_spec_is_refused_naming_the_field() {
         sections: Default::default(),
         signature: Vec::new(),
         secagg: None,
+        update_codec: Default::default(),
     });
     let err = Message::decode(&msg.encode(), &Limits::default()).unwrap_err().to_string();
     assert!(err.contains("model_spec") && err.contains("65536"), "{err}");

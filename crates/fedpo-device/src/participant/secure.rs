@@ -136,6 +136,6 @@ impl Participant {
         let words = s.client.masked_input(&trained.values, &s.settings.fixed_point, sharing)?;
         let payload = TensorPayload { tensors: vec![WireTensor::masked(&words)] };
         let round = s.round;
-        self.send_update(round, trained.global_sha256, payload, Vec::new(), trained.metrics, trained.progress)
+        self.send_update(round, trained.global_sha256, payload, Vec::new(), trained.metrics, trained.progress, None)
     }
 }
