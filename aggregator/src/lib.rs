@@ -16,6 +16,7 @@ mod checkpoint;
 mod client_term;
 mod diagnostics;
 mod experiment;
+mod fleet_bench;
 mod global_model;
 mod job;
 mod method;
@@ -49,6 +50,9 @@ enum Command {
     Simulate(simulate::SimulateArgs),
     /// Run a grid of simulations from a TOML file; write CSVs, a summary table and figures.
     Experiment(experiment::ExperimentArgs),
+    /// Aggregation at fleet scale: a real aggregator, N synthetic devices (one MQTT
+    /// connection each) sending a fixed update; rounds per second and peak memory.
+    BenchFleet(fleet_bench::FleetBenchArgs),
     /// Redraw loss.png, accuracy.png and grad_norm.png from a job's metrics.jsonl.
     Plot {
         /// The job's output directory.
@@ -76,6 +80,7 @@ fn serve(args: ServeArgs) -> Result<()> {
     let (url, _broker) = args.broker.resolve(false)?;
     let mut opts = LinkOptions::new(format!("fedpo-{}-aggregator", args.job.job));
     opts.tls = args.broker.tls();
+    opts.inbound_budget = Some(server::INBOUND_BUDGET);
     let link = MqttLink::connect(&url, &opts)?;
     tracing::info!(broker = %url, job = %args.job.job, "aggregator connected");
     let mut server = server::Server::new(link, args.job, &args.out, args.resume)?;
@@ -104,6 +109,7 @@ where
         Command::Serve(args) => serve(args),
         Command::Simulate(args) => simulate::run(args).map(|_| ()),
         Command::Experiment(args) => experiment::run(args),
+        Command::BenchFleet(args) => fleet_bench::run(args),
         Command::Plot { out } => {
             let records = plots::read_records(&out)?;
             let method = records.first().map_or("fedpo".to_string(), |r| r.method.clone());

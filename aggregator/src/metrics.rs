@@ -77,6 +77,9 @@ pub(crate) struct Summary {
     pub(crate) bytes_down_total: u64,
     pub(crate) seconds: f64,
     pub(crate) global_sha256: String,
+    /// The aggregator process's peak resident memory, MiB.
+    #[serde(default)]
+    pub(crate) peak_rss_mib: f64,
 }
 
 /// Appends records to `metrics.jsonl`, flushing each line (a crash loses nothing written).

@@ -48,7 +48,7 @@ impl Server {
                 self.client_term.kind.name()
             ));
         }
-        match Bundle::new(u.update.clone(), &u.sections, &self.limits) {
+        match Bundle::spooled(u.update.clone(), &u.sections, &self.limits, &self.out.join("spool")) {
             Ok(b) => {
                 open.transfers.insert(device.to_string(), (u, b));
             }

@@ -10,7 +10,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use fedpo_transport::{LinkEvent, MqttLink, Topics};
 use fedpo_wire::{
     keys, split_payload, Bundle, Hyperparameters, Limits, Message, PlanSigner, RoundPlan, RoundResult, TransferChunk,
@@ -91,6 +91,11 @@ struct OpenRound {
 }
 
 /// Refuses to overwrite a job's checkpoint unless resuming it.
+/// Bytes of received messages the aggregator lets queue before its link stops reading
+/// from the broker: with every device uploading at once, the broker holds the rest, and
+/// the aggregator's memory stays the model's size plus this.
+pub(crate) const INBOUND_BUDGET: usize = 64 << 20;
+
 pub(crate) fn check_out_dir(out: &Path, resume: bool) -> Result<()> {
     if CheckpointDir::new(out).exists() && !resume {
         bail!("{} holds a checkpoint; pass --resume to continue it, or choose another --out", out.display());
@@ -107,6 +112,11 @@ impl Server {
         let checkpoints = CheckpointDir::new(out);
         let mut strategy = job.build_strategy();
         check_out_dir(out, resume)?;
+        // Updates in flight wait here, not in memory (a crash leaves only partial
+        // transfers, which devices resend).
+        let spool = out.join("spool");
+        let _ = std::fs::remove_dir_all(&spool);
+        std::fs::create_dir_all(&spool).with_context(|| format!("creating {}", spool.display()))?;
         let (global, state) = if checkpoints.exists() {
             let (global, state) = checkpoints.load()?;
             if state.strategy != strategy.name() {
@@ -222,6 +232,7 @@ impl Server {
         summary.bytes_down_total = self.state.bytes_down;
         summary.seconds = self.started.elapsed().as_secs_f64();
         summary.global_sha256 = self.state.global_sha256.clone();
+        summary.peak_rss_mib = fedpo_device::memory::peak_rss_mib();
         let path = self.out.join("summary.json");
         fedpo_model::io::write_atomic(&path, &serde_json::to_vec_pretty(&summary)?)?;
         match crate::plots::read_records(&self.out)

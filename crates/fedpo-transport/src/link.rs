@@ -5,6 +5,11 @@
 //! it waits with exponential backoff and reconnects. Incoming publishes arrive on a
 //! channel as [`LinkEvent`]s, so a device can train for minutes without the connection
 //! timing out: pings keep flowing from the background thread.
+//!
+//! A receiver that consumes without pause (the aggregator) can bound that channel by
+//! bytes ([`LinkOptions::inbound_budget`]): when it is full the background thread stops
+//! reading, TCP pushes back, and the broker holds what a thousand uploading devices send
+//! instead of this process's memory.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
@@ -57,6 +62,12 @@ pub struct LinkOptions {
     pub connect_wait: Duration,
     /// Longest wait between reconnect attempts.
     pub max_backoff: Duration,
+    /// Most payload bytes received but not yet taken by [`MqttLink::recv_timeout`]; past
+    /// it the link stops reading from the broker until the receiver catches up, except
+    /// while a publish of its own waits to be written. `None`:
+    /// unbounded, for a receiver that may pause for long (a device training), since a
+    /// link that stops reading also stops its keep-alive pings.
+    pub inbound_budget: Option<usize>,
 }
 
 impl LinkOptions {
@@ -70,6 +81,7 @@ impl LinkOptions {
             keep_alive: Duration::from_secs(30),
             connect_wait: Duration::from_secs(30),
             max_backoff: Duration::from_secs(10),
+            inbound_budget: None,
         }
     }
 }
@@ -84,6 +96,9 @@ struct Shared {
     stop: AtomicBool,
     /// The latest connection error, for [`TransportError::ConnectTimeout`].
     last_error: Mutex<String>,
+    /// Payload bytes on the events channel, and the signal that some were taken.
+    inbound: Mutex<usize>,
+    taken: Condvar,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -160,15 +175,18 @@ impl MqttLink {
             connected: AtomicBool::new(false),
             stop: AtomicBool::new(false),
             last_error: Mutex::new("no answer".into()),
+            inbound: Mutex::new(0),
+            taken: Condvar::new(),
         });
         let (tx, events) = mpsc::channel();
         let (first_tx, first_rx) = mpsc::channel();
         let thread = {
-            let (client, shared, max_backoff) = (client.clone(), shared.clone(), opts.max_backoff);
+            let (client, shared) = (client.clone(), shared.clone());
+            let limits = DriveLimits { max_backoff: opts.max_backoff, inbound_budget: opts.inbound_budget };
             let name = format!("mqtt-{}", opts.client_id);
             std::thread::Builder::new()
                 .name(name)
-                .spawn(move || drive(connection, client, shared, tx, first_tx, max_backoff))
+                .spawn(move || drive(connection, client, shared, tx, first_tx, limits))
                 .map_err(|e| TransportError::Closed { broker: format!("{url}: {e}") })?
         };
         let link = Self { client, shared, events, broker: url.to_string(), thread: Some(thread) };
@@ -203,13 +221,23 @@ impl MqttLink {
         }
         let _order = lock(&self.shared.publishing);
         lock(&self.shared.outbox).queued(topic, &payload);
+        // Wake a background thread paused by the inbound budget: this publish needs the
+        // event loop.
+        self.shared.taken.notify_all();
         self.client.publish(topic, QoS::AtLeastOnce, false, payload).map_err(|_| self.closed())
     }
 
     /// The next event, waiting up to `timeout`; `Ok(None)` on timeout.
     pub fn recv_timeout(&self, timeout: Duration) -> Result<Option<LinkEvent>> {
         match self.events.recv_timeout(timeout) {
-            Ok(e) => Ok(Some(e)),
+            Ok(e) => {
+                if let LinkEvent::Message(d) = &e {
+                    let mut inbound = lock(&self.shared.inbound);
+                    *inbound = inbound.saturating_sub(d.payload.len());
+                    self.shared.taken.notify_all();
+                }
+                Ok(Some(e))
+            }
             Err(RecvTimeoutError::Timeout) => Ok(None),
             Err(RecvTimeoutError::Disconnected) => Err(self.closed()),
         }
@@ -228,6 +256,11 @@ impl MqttLink {
             outbox = self.shared.acked.wait_timeout(outbox, left).unwrap_or_else(|e| e.into_inner()).0;
         }
         true
+    }
+
+    /// Payload bytes received and not yet taken.
+    pub fn inbound_bytes(&self) -> usize {
+        *lock(&self.shared.inbound)
     }
 
     /// Whether the link is connected right now.
@@ -270,6 +303,30 @@ impl Drop for MqttLink {
     }
 }
 
+struct DriveLimits {
+    max_backoff: Duration,
+    inbound_budget: Option<usize>,
+}
+
+/// Waits, with the event loop paused, until `len` more bytes fit the budget (a message
+/// larger than the whole budget passes alone). It never waits while a publish of ours is
+/// still to be written: that needs the loop, and a caller blocked in
+/// [`MqttLink::publish`] would otherwise never come back to take what is queued.
+fn admit(shared: &Shared, len: usize, budget: Option<usize>) {
+    let mut inbound = lock(&shared.inbound);
+    if let Some(budget) = budget {
+        while *inbound > 0
+            && *inbound + len > budget
+            && !lock(&shared.outbox).has_unwritten()
+            && !shared.stop.load(Ordering::SeqCst)
+        {
+            inbound =
+                shared.taken.wait_timeout(inbound, Duration::from_millis(50)).unwrap_or_else(|e| e.into_inner()).0;
+        }
+    }
+    *inbound += len;
+}
+
 /// The background thread: rumqttc's event loop plus fedpo's reconnect policy.
 fn drive(
     mut connection: Connection,
@@ -277,8 +334,9 @@ fn drive(
     shared: Arc<Shared>,
     tx: Sender<LinkEvent>,
     first: Sender<()>,
-    max_backoff: Duration,
+    limits: DriveLimits,
 ) {
+    let DriveLimits { max_backoff, inbound_budget } = limits;
     let mut backoff = Duration::from_millis(100);
     let mut first = Some(first);
     let mut connect_failures = 0u32;
@@ -291,13 +349,16 @@ fn drive(
                 shared.connected.store(true, Ordering::SeqCst);
                 backoff = Duration::from_millis(100);
                 connect_failures = 0;
-                restore(client.clone(), shared.clone());
+                // After the first ConnAck nothing can have been lost: whatever the outbox
+                // holds was just handed to the client, and replaying it would send it twice.
+                restore(client.clone(), shared.clone(), first.is_none());
                 if let Some(f) = first.take() {
                     let _ = f.send(());
                 }
                 let _ = tx.send(LinkEvent::Connected);
             }
             Ok(Event::Incoming(Packet::Publish(p))) => {
+                admit(&shared, p.payload.len(), inbound_budget);
                 let _ = tx.send(LinkEvent::Message(Delivery { topic: p.topic, payload: p.payload.to_vec() }));
             }
             Ok(Event::Incoming(Packet::PubAck(ack))) => {
@@ -332,13 +393,16 @@ fn drive(
 /// After a ConnAck: resubscribe, then republish everything unacknowledged. Runs on its own
 /// thread because both block on rumqttc's request queue, which only the event-loop thread
 /// drains.
-fn restore(client: Client, shared: Arc<Shared>) {
+fn restore(client: Client, shared: Arc<Shared>, replay_outbox: bool) {
     let spawned = std::thread::Builder::new().name("mqtt-restore".into()).spawn(move || {
         let filters = lock(&shared.subscriptions).clone();
         for f in filters {
             if client.subscribe(f, QoS::AtLeastOnce).is_err() {
                 return;
             }
+        }
+        if !replay_outbox {
+            return;
         }
         let _order = lock(&shared.publishing);
         let replay = lock(&shared.outbox).take_for_replay();

@@ -66,6 +66,11 @@ impl Outbox {
         all
     }
 
+    /// Whether some publish is still waiting to be written (it has no packet id yet).
+    pub fn has_unwritten(&self) -> bool {
+        !self.unassigned.is_empty()
+    }
+
     /// Publishes not yet acknowledged.
     pub fn len(&self) -> usize {
         self.unassigned.len() + self.inflight.len()

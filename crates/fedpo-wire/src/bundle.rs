@@ -7,6 +7,7 @@
 //! another tensor list, so a receiver can check every section's tensors by name.
 
 use std::collections::BTreeMap;
+use std::path::Path;
 
 use crate::chunk::{Progress, Reassembler};
 use crate::error::{Result, WireError};
@@ -80,6 +81,17 @@ impl Bundle {
             .map(|(name, m)| Ok((name.clone(), Reassembler::new(m.clone(), limits)?)))
             .collect::<Result<_>>()?;
         Ok(Self { main: Reassembler::new(main, limits)?, sections, done: BTreeMap::new(), main_done: None })
+    }
+
+    /// Like [`Bundle::new`], with every transfer's chunks spooled to files under `dir`.
+    pub fn spooled(main: Manifest, sections: &BTreeMap<String, Manifest>, limits: &Limits, dir: &Path) -> Result<Self> {
+        check_sections(&main, sections, limits)?;
+        let sections = sections
+            .iter()
+            .map(|(name, m)| Ok((name.clone(), Reassembler::spooled(m.clone(), limits, dir)?)))
+            .collect::<Result<_>>()?;
+        let main = Reassembler::spooled(main, limits, dir)?;
+        Ok(Self { main, sections, done: BTreeMap::new(), main_done: None })
     }
 
     /// The main transfer's manifest.

@@ -5,11 +5,14 @@
 //! deliver twice), refuses chunks that do not fit the manifest, and releases the bytes
 //! only when their SHA-256 matches.
 
+use std::path::Path;
+
 use sha2::{Digest, Sha256};
 
 use crate::error::{Result, WireError};
 use crate::limits::Limits;
 use crate::message::{Manifest, TensorInfo, TransferChunk};
+use crate::parts::Parts;
 use crate::tensor::TensorPayload;
 
 /// SHA-256 of bytes.
@@ -60,7 +63,7 @@ pub enum Progress {
 /// Collects the chunks of one transfer.
 pub struct Reassembler {
     manifest: Manifest,
-    parts: Vec<Option<Vec<u8>>>,
+    parts: Parts,
     received: u32,
     bytes_so_far: u64,
     done: bool,
@@ -70,7 +73,16 @@ impl Reassembler {
     /// Starts a transfer after checking its manifest against the limits.
     pub fn new(manifest: Manifest, limits: &Limits) -> Result<Self> {
         manifest.validate(limits)?;
-        let parts = vec![None; manifest.chunks as usize];
+        let parts = Parts::memory(manifest.chunks as usize);
+        Ok(Self { manifest, parts, received: 0, bytes_so_far: 0, done: false })
+    }
+
+    /// Like [`Reassembler::new`], but the chunks wait in a file under `dir` (removed when
+    /// the reassembler is dropped) rather than in memory.
+    pub fn spooled(manifest: Manifest, limits: &Limits, dir: &Path) -> Result<Self> {
+        manifest.validate(limits)?;
+        let name = format!("{}.part", hex::encode(&sha256(manifest.transfer.as_bytes())[..12]));
+        let parts = Parts::spool(dir.join(name), manifest.chunks as usize)?;
         Ok(Self { manifest, parts, received: 0, bytes_so_far: 0, done: false })
     }
 
@@ -91,28 +103,24 @@ impl Reassembler {
                 expected_count: self.manifest.chunks,
             });
         }
-        let slot = &mut self.parts[chunk.index as usize];
-        if self.done || slot.is_some() {
+        if self.done || self.parts.has(chunk.index as usize) {
             return Ok(Progress::Duplicate);
         }
         let new_total = self.bytes_so_far + chunk.bytes.len() as u64;
         if new_total > self.manifest.bytes {
             return Err(WireError::TransferTooLarge { size: new_total, max: self.manifest.bytes });
         }
+        self.parts.put(chunk.index as usize, chunk.bytes)?;
         self.bytes_so_far = new_total;
-        *slot = Some(chunk.bytes);
         self.received += 1;
         if self.received < self.manifest.chunks {
             return Ok(Progress::Accepted { received: self.received });
         }
-        let mut bytes = Vec::with_capacity(self.manifest.bytes as usize);
-        for part in self.parts.iter_mut() {
-            bytes.extend(part.take().unwrap_or_default());
-        }
+        let bytes = self.parts.take_all(self.manifest.bytes as usize)?;
         let found = sha256(&bytes);
         if found != self.manifest.sha256 || bytes.len() as u64 != self.manifest.bytes {
             // Start over: a corrupted chunk means the transfer must be sent again.
-            self.parts = vec![None; self.manifest.chunks as usize];
+            self.parts.clear()?;
             self.received = 0;
             self.bytes_so_far = 0;
             return Err(WireError::HashMismatch {

@@ -89,6 +89,14 @@ pub enum WireError {
         /// SHA-256 of the bytes received, hex.
         found: String,
     },
+    /// A spool file could not be written or read back.
+    #[error("spool file {path}: {reason}")]
+    Spool {
+        /// The file.
+        path: String,
+        /// What failed.
+        reason: String,
+    },
     /// A field is out of its allowed range.
     #[error("invalid field `{field}`: {reason}")]
     InvalidField {

@@ -14,6 +14,7 @@ mod error;
 pub mod keys;
 mod limits;
 mod message;
+mod parts;
 mod secure;
 pub mod signing;
 mod tensor;

@@ -100,3 +100,31 @@ fn distilgpt2_base_in_f32_needs_313_chunks_of_1_mib() {
     let too_few = Manifest { chunks: 312, ..m };
     assert!(too_few.validate(&Limits::default()).is_err());
 }
+
+#[test]
+fn a_spooled_transfer_reassembles_out_of_order_survives_a_corrupt_chunk_and_removes_its_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = payload(700_000);
+    let (manifest, chunks) = split_payload("r3/dev-7", &p, DEFAULT_CHUNK_BYTES);
+    let mut r = Reassembler::spooled(manifest.clone(), &Limits::default(), dir.path()).unwrap();
+    let files = || std::fs::read_dir(dir.path()).unwrap().count();
+    assert_eq!(files(), 1, "one spool file per transfer");
+
+    let mut bad = chunks.clone();
+    bad[0].bytes[5] ^= 0x0F;
+    let results: Vec<_> = bad.into_iter().rev().map(|c| r.accept(c)).collect();
+    assert!(matches!(results.last(), Some(Err(WireError::HashMismatch { .. }))), "{results:?}");
+
+    let mut done = None;
+    for c in chunks.iter().rev().chain(&chunks[..1]) {
+        match r.accept(c.clone()).unwrap() {
+            Progress::Complete(bytes) => done = Some(bytes),
+            Progress::Duplicate => assert!(done.is_some(), "a duplicate before completion"),
+            Progress::Accepted { .. } => {}
+        }
+    }
+    let bytes = done.expect("complete after the clean resend");
+    assert_eq!(TensorPayload::from_bytes(&bytes, &Limits::default(), true).unwrap(), p);
+    drop(r);
+    assert_eq!(files(), 0, "the spool file is removed with its reassembler");
+}

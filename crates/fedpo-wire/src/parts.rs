@@ -1,0 +1,108 @@
+//! Where a transfer's chunks wait for the last one: in memory, or in a spool file.
+//!
+//! A device assembles one transfer at a time and keeps it in memory. An aggregator may
+//! have an update in flight from every device at once (a thousand devices upload
+//! together), and holding them all would make its memory grow with the fleet; spooled,
+//! each waiting chunk costs a few bytes of bookkeeping, and only the transfer being
+//! verified and folded is in memory.
+
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+
+use crate::error::{Result, WireError};
+
+/// The chunks received so far, by index.
+pub(crate) enum Parts {
+    Memory(Vec<Option<Vec<u8>>>),
+    Spool(SpoolFile),
+}
+
+/// Chunks appended to a file as they come, with each one's place.
+pub(crate) struct SpoolFile {
+    path: PathBuf,
+    file: File,
+    at: Vec<Option<(u64, usize)>>,
+    end: u64,
+}
+
+fn spool_err(path: &Path, e: impl std::fmt::Display) -> WireError {
+    WireError::Spool { path: path.display().to_string(), reason: e.to_string() }
+}
+
+impl Parts {
+    pub(crate) fn memory(count: usize) -> Self {
+        Self::Memory(vec![None; count])
+    }
+
+    /// A spool file for `count` chunks at `path` (created, truncated; removed on drop).
+    pub(crate) fn spool(path: PathBuf, count: usize) -> Result<Self> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&path)
+            .map_err(|e| spool_err(&path, e))?;
+        Ok(Self::Spool(SpoolFile { path, file, at: vec![None; count], end: 0 }))
+    }
+
+    pub(crate) fn has(&self, index: usize) -> bool {
+        match self {
+            Self::Memory(parts) => parts[index].is_some(),
+            Self::Spool(s) => s.at[index].is_some(),
+        }
+    }
+
+    pub(crate) fn put(&mut self, index: usize, bytes: Vec<u8>) -> Result<()> {
+        match self {
+            Self::Memory(parts) => parts[index] = Some(bytes),
+            Self::Spool(s) => {
+                s.file.seek(SeekFrom::Start(s.end)).map_err(|e| spool_err(&s.path, e))?;
+                s.file.write_all(&bytes).map_err(|e| spool_err(&s.path, e))?;
+                s.at[index] = Some((s.end, bytes.len()));
+                s.end += bytes.len() as u64;
+            }
+        }
+        Ok(())
+    }
+
+    /// Every chunk in index order, as one buffer of `total` bytes; the parts start over.
+    pub(crate) fn take_all(&mut self, total: usize) -> Result<Vec<u8>> {
+        let mut bytes = Vec::with_capacity(total);
+        match self {
+            Self::Memory(parts) => parts.iter_mut().for_each(|p| bytes.extend(p.take().unwrap_or_default())),
+            Self::Spool(s) => {
+                for (offset, len) in s.at.iter().flatten() {
+                    let start = bytes.len();
+                    bytes.resize(start + len, 0);
+                    s.file.seek(SeekFrom::Start(*offset)).map_err(|e| spool_err(&s.path, e))?;
+                    s.file.read_exact(&mut bytes[start..]).map_err(|e| spool_err(&s.path, e))?;
+                }
+                s.at.iter_mut().for_each(|a| *a = None);
+                s.end = 0;
+                s.file.set_len(0).map_err(|e| spool_err(&s.path, e))?;
+            }
+        }
+        Ok(bytes)
+    }
+
+    /// Forgets every chunk.
+    pub(crate) fn clear(&mut self) -> Result<()> {
+        match self {
+            Self::Memory(parts) => parts.iter_mut().for_each(|p| *p = None),
+            Self::Spool(s) => {
+                s.at.iter_mut().for_each(|a| *a = None);
+                s.end = 0;
+                s.file.set_len(0).map_err(|e| spool_err(&s.path, e))?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for SpoolFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
