@@ -30,6 +30,10 @@ pub(crate) struct RoundRecord {
     /// Each device's peak resident memory after the round, MiB. Devices simulated in one
     /// process share that process's number.
     pub(crate) peak_rss_mib: BTreeMap<String, f64>,
+    /// Device → seconds of local training it reported; the rest of the round's
+    /// `seconds` is federation overhead (transfers, encoding, hashing, waiting).
+    #[serde(default)]
+    pub(crate) train_seconds: BTreeMap<String, f64>,
     /// The global gradient norm. With --diagnostics, exactly ‖mean_i ∇F_i(θ_t)‖ from the
     /// devices' full gradients at the round's model; otherwise the pseudo-gradient
     /// ‖mean update‖ / (lr · E) that local SGD followed.

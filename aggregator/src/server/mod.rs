@@ -424,6 +424,7 @@ impl Server {
             reward_acc: open.reported.iter().map(|(d, (_, m))| (d.clone(), m.reward_acc)).collect(),
             heldout_acc: open.reported.iter().filter_map(|(d, (_, m))| Some((d.clone(), m.heldout_acc?))).collect(),
             peak_rss_mib: open.reported.iter().filter_map(|(d, (_, m))| Some((d.clone(), m.peak_rss_mib?))).collect(),
+            train_seconds: open.reported.iter().map(|(d, (_, m))| (d.clone(), m.seconds)).collect(),
             device_grad_norm: weighted(&|m| m.grad_norm),
             diagnostics_bytes: open.diagnostics_bytes,
             bytes_up: open.bytes_up,
