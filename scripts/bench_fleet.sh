@@ -6,11 +6,11 @@
 #   scripts/bench_fleet.sh [OUT] [DEVICES]
 #
 # Needs Debian's mosquitto (apt-get install mosquitto). EMBEDDED_DEVICES sets the embedded
-# broker's fleet (default 300: rumqttd stalls with 500 devices uploading at once).
+# broker's fleet (default 200: with 300 uploading at once rumqttd and a client can stall each other).
 set -euo pipefail
 out=${1:-runs/bench-fleet}
 devices=${2:-1000}
-embedded_devices=${EMBEDDED_DEVICES:-300}
+embedded_devices=${EMBEDDED_DEVICES:-200}
 port=${MQTT_PORT:-18830}
 cd "$(dirname "$0")/.."
 cargo build --release -p fedpo-aggregator

@@ -170,6 +170,9 @@ fn spawn_aggregator(args: &FleetBenchArgs, url: &BrokerUrl, out: &Path) -> Resul
         .args(["--per-round", &n, "--min-devices", &n, "--rounds", &args.rounds.to_string()])
         .args(["--local-steps", "1", "--no-final-eval", "--update-codec", &args.update_codec.to_string()])
         .args(["--round-deadline", &args.deadline.to_string(), "--register-timeout", &args.deadline.to_string()])
+        // rumqttd and a client that pauses its reads can deadlock (see serve's
+        // --inbound-budget-mib); the embedded run goes without the budget.
+        .args(["--inbound-budget-mib", if args.broker.is_some() { "64" } else { "0" }])
         .arg("--out")
         .arg(out)
         .env("RUST_LOG", std::env::var("FEDPO_BENCH_LOG").unwrap_or_else(|_| "warn".into()))
@@ -205,8 +208,8 @@ fn prepare(plan: RoundPlan, codec: UpdateCodec) -> Result<(Prepared, f64)> {
     Ok((Prepared { plan, manifest, chunks }, norm))
 }
 
-/// One device: hello until the first plan, then upload the prepared update for every
-/// plan that selects it, until the job is finished.
+/// One device: hello until the first plan, then upload the prepared update once for
+/// every round whose plan selects it, until the job is finished.
 fn synthetic_device(url: &BrokerUrl, topics: &Topics, id: &str, orders: Receiver<Order>) -> Result<()> {
     let mut opts = LinkOptions::new(id.to_string());
     let will = Message::Bye(DeviceBye { device: id.into(), reason: "connection lost".into() });
@@ -222,13 +225,18 @@ fn synthetic_device(url: &BrokerUrl, topics: &Topics, id: &str, orders: Receiver
     })
     .encode();
     let mut planned = false;
+    // Once per round: a plan resent for the devices still missing (the aggregator reads
+    // a hello this device sent before it got the plan as a request for it) does not make
+    // this device upload again; its QoS 1 upload is already on its way.
+    let mut uploaded = 0;
     loop {
         if !planned {
             link.publish(&topics.up(id), hello.clone())?;
         }
         match orders.recv_timeout(Duration::from_secs(5)) {
-            Ok(Order::Upload(p)) if p.plan.selected.iter().any(|d| d == id) => {
+            Ok(Order::Upload(p)) if p.plan.selected.iter().any(|d| d == id) && p.plan.round > uploaded => {
                 planned = true;
+                uploaded = p.plan.round;
                 let transfer = format!("r{}/{id}", p.plan.round);
                 let metrics = UpdateMetrics {
                     train_loss: 0.5,

@@ -72,15 +72,22 @@ struct ServeArgs {
     /// Continue from the checkpoint in --out.
     #[arg(long)]
     resume: bool,
+    /// MiB of received messages that may wait to be processed before the aggregator stops
+    /// reading from the broker, which then holds the rest (Mosquitto: raise
+    /// max_queued_messages to a round's chunks). 0: no limit. The embedded broker always
+    /// runs without one: rumqttd stops reading from a client it cannot write to, and a
+    /// client that pauses its reads deadlocks with it.
+    #[arg(long, value_name = "MIB", default_value_t = 64)]
+    inbound_budget_mib: usize,
 }
 
 fn serve(args: ServeArgs) -> Result<()> {
     args.job.validate()?;
     server::check_out_dir(&args.out, args.resume)?;
-    let (url, _broker) = args.broker.resolve(false)?;
+    let (url, embedded) = args.broker.resolve(false)?;
     let mut opts = LinkOptions::new(format!("fedpo-{}-aggregator", args.job.job));
     opts.tls = args.broker.tls();
-    opts.inbound_budget = Some(server::INBOUND_BUDGET);
+    opts.inbound_budget = (args.inbound_budget_mib > 0 && embedded.is_none()).then_some(args.inbound_budget_mib << 20);
     let link = MqttLink::connect(&url, &opts)?;
     tracing::info!(broker = %url, job = %args.job.job, "aggregator connected");
     let mut server = server::Server::new(link, args.job, &args.out, args.resume)?;

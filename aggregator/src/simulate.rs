@@ -209,7 +209,6 @@ pub(crate) fn run(args: SimulateArgs) -> Result<Summary> {
     std::fs::create_dir_all(&args.out)?;
     let mut opts = LinkOptions::new(format!("fedpo-{}-aggregator", job.job));
     opts.tls = tls.clone();
-    opts.inbound_budget = Some(crate::server::INBOUND_BUDGET);
     let link = MqttLink::connect(&url, &opts)?;
     let mut server = Server::new(link, job.clone(), &args.out, args.resume)?;
     println!(

@@ -91,11 +91,6 @@ struct OpenRound {
 }
 
 /// Refuses to overwrite a job's checkpoint unless resuming it.
-/// Bytes of received messages the aggregator lets queue before its link stops reading
-/// from the broker: with every device uploading at once, the broker holds the rest, and
-/// the aggregator's memory stays the model's size plus this.
-pub(crate) const INBOUND_BUDGET: usize = 64 << 20;
-
 pub(crate) fn check_out_dir(out: &Path, resume: bool) -> Result<()> {
     if CheckpointDir::new(out).exists() && !resume {
         bail!("{} holds a checkpoint; pass --resume to continue it, or choose another --out", out.display());
