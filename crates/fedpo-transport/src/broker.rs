@@ -33,10 +33,13 @@ fn config(addr: SocketAddr) -> Config {
         router: RouterConfig {
             max_connections: 10_010,
             max_outgoing_packet_count: 200,
-            // Each topic's log keeps up to 8 segments of 64 MiB: a subscriber may lag up
-            // to 512 MiB (a full DistilGPT-2 base in f32 is 328 MB) before losing data.
+            // rumqttd keeps one log per subscription filter, so the aggregator's `up/#`
+            // holds every device's uploads together; past 32 segments of 64 MiB the oldest
+            // is dropped, unread or not. 2 GiB of lag covers six DistilGPT-2 updates in
+            // f32 (328 MB each) sent at once; with 8 segments, two such uploads at once
+            // lost chunks and stalled the round. Segments hold only what is queued.
             max_segment_size: 64 << 20,
-            max_segment_count: 8,
+            max_segment_count: 32,
             ..RouterConfig::default()
         },
         v4: Some(HashMap::from([("1".to_string(), server)])),
