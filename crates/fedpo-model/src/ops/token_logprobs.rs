@@ -1,0 +1,178 @@
+//! Fused log-softmax + gather: `log softmax(logits)[i, targets[i]]`.
+//!
+//! The `[tokens x vocab]` grid is read twice and written once in backward instead of
+//! materialised five times by the composed ops. f32 rows run on the vectorised
+//! [`exp_f32`] with lane sums; f64 keeps libm as the reference.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Tensor, WithDType};
+use rayon::prelude::*;
+
+use super::fast_math::{exp_f32, max_f32};
+use super::{contiguous_slice, full_precision, log_softmax_last_dim, CResult};
+
+/// The per-row arithmetic, fast for f32 and exact-as-libm for f64.
+trait RowMath: WithDType {
+    /// `log sum exp(row)`, in f64.
+    fn row_logsumexp(row: &[Self]) -> f64;
+    /// `out[j] = -g * exp(row[j] - lse)`.
+    fn scaled_softmax(out: &mut [Self], row: &[Self], lse: f64, g: f64);
+}
+
+impl RowMath for f32 {
+    fn row_logsumexp(row: &[f32]) -> f64 {
+        let max = max_f32(row);
+        if !max.is_finite() {
+            // all -inf, or a NaN or +inf in the row: the plain formula gives the right
+            // non-finite answer (NaN for NaN, inf for inf, -inf for an all -inf row).
+            return row.iter().map(|&v| (v as f64).exp()).sum::<f64>().ln();
+        }
+        let mut lanes = [0f32; 8];
+        let mut chunks = row.chunks_exact(8);
+        for chunk in &mut chunks {
+            for (lane, &v) in lanes.iter_mut().zip(chunk) {
+                *lane += exp_f32(v - max);
+            }
+        }
+        let tail: f64 = chunks.remainder().iter().map(|&v| exp_f32(v - max) as f64).sum();
+        let sum = lanes.iter().map(|&v| v as f64).sum::<f64>() + tail;
+        max as f64 + sum.ln()
+    }
+
+    fn scaled_softmax(out: &mut [f32], row: &[f32], lse: f64, g: f64) {
+        let (lse, g) = (lse as f32, g as f32);
+        for (o, &v) in out.iter_mut().zip(row) {
+            *o = -g * exp_f32(v - lse);
+        }
+    }
+}
+
+impl RowMath for f64 {
+    fn row_logsumexp(row: &[f64]) -> f64 {
+        let max = row.iter().fold(f64::NEG_INFINITY, |m, &v| m.max(v));
+        let sum: f64 = row.iter().map(|&v| (v - max).exp()).sum();
+        max + sum.ln()
+    }
+
+    fn scaled_softmax(out: &mut [f64], row: &[f64], lse: f64, g: f64) {
+        for (o, &v) in out.iter_mut().zip(row) {
+            *o = -g * (v - lse).exp();
+        }
+    }
+}
+
+struct TokenLogProbs;
+
+fn check_targets(targets: &[u32], vocab: usize) -> CResult<()> {
+    if let Some(&bad) = targets.iter().find(|&&t| t as usize >= vocab) {
+        candle_core::bail!("token id {bad} is outside the vocabulary of {vocab}");
+    }
+    Ok(())
+}
+
+fn token_logprobs_cpu<T: RowMath>(logits: &[T], targets: &[u32], vocab: usize) -> CResult<Vec<T>> {
+    check_targets(targets, vocab)?;
+    Ok(logits
+        .par_chunks(vocab)
+        .zip(targets.par_iter())
+        .map(|(row, &t)| T::from_f64(row[t as usize].to_f64() - T::row_logsumexp(row)))
+        .collect())
+}
+
+impl CustomOp2 for TokenLogProbs {
+    fn name(&self) -> &'static str {
+        "token-logprobs"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> CResult<(CpuStorage, Shape)> {
+        let (rows, vocab) = l1.shape().dims2()?;
+        let targets = contiguous_slice::<u32>(s2, l2, self.name())?;
+        if targets.len() != rows {
+            candle_core::bail!("token-logprobs: {rows} logit rows but {} targets", targets.len());
+        }
+        let out = match s1 {
+            CpuStorage::F32(_) => {
+                CpuStorage::F32(token_logprobs_cpu(contiguous_slice::<f32>(s1, l1, self.name())?, targets, vocab)?)
+            }
+            CpuStorage::F64(_) => {
+                CpuStorage::F64(token_logprobs_cpu(contiguous_slice::<f64>(s1, l1, self.name())?, targets, vocab)?)
+            }
+            other => candle_core::bail!("token-logprobs: unsupported dtype {:?}", other.dtype()),
+        };
+        Ok((out, Shape::from(rows)))
+    }
+
+    fn bwd(
+        &self,
+        logits: &Tensor,
+        targets: &Tensor,
+        res: &Tensor,
+        grad: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
+        let grad_logits = logits.apply_op3_no_bwd(targets, &Tensor::stack(&[res, grad], 0)?, &TokenLogProbsGrad)?;
+        Ok((Some(grad_logits), None))
+    }
+}
+
+/// Backward of [`TokenLogProbs`]: `d/dlogits = g * (onehot(t) - softmax(logits))`, with the
+/// row's log-sum-exp recovered from the forward result (`lse = logit[t] - res`).
+struct TokenLogProbsGrad;
+
+fn token_logprobs_grad_cpu<T: RowMath>(logits: &[T], targets: &[u32], res_and_grad: &[T], vocab: usize) -> Vec<T> {
+    let rows = targets.len();
+    let (res, grad) = res_and_grad.split_at(rows);
+    let mut out = vec![T::zero(); logits.len()];
+    out.par_chunks_mut(vocab).enumerate().for_each(|(i, out_row)| {
+        let row = &logits[i * vocab..(i + 1) * vocab];
+        let t = targets[i] as usize;
+        let lse = row[t].to_f64() - res[i].to_f64();
+        let g = grad[i].to_f64();
+        T::scaled_softmax(out_row, row, lse, g);
+        out_row[t] = T::from_f64(out_row[t].to_f64() + g);
+    });
+    out
+}
+
+impl CustomOp3 for TokenLogProbsGrad {
+    fn name(&self) -> &'static str {
+        "token-logprobs-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        let (_, vocab) = l1.shape().dims2()?;
+        let targets = contiguous_slice::<u32>(s2, l2, self.name())?;
+        let out = match s1 {
+            CpuStorage::F32(_) => CpuStorage::F32(token_logprobs_grad_cpu(
+                contiguous_slice::<f32>(s1, l1, self.name())?,
+                targets,
+                contiguous_slice::<f32>(s3, l3, self.name())?,
+                vocab,
+            )),
+            CpuStorage::F64(_) => CpuStorage::F64(token_logprobs_grad_cpu(
+                contiguous_slice::<f64>(s1, l1, self.name())?,
+                targets,
+                contiguous_slice::<f64>(s3, l3, self.name())?,
+                vocab,
+            )),
+            other => candle_core::bail!("token-logprobs-grad: unsupported dtype {:?}", other.dtype()),
+        };
+        Ok((out, l1.shape().clone()))
+    }
+}
+
+/// `log softmax(logits)[i, targets[i]]` for `logits: [N, V]` and `targets: [N]` (u32).
+pub fn token_logprobs(logits: &Tensor, targets: &Tensor) -> CResult<Tensor> {
+    if logits.device().is_cpu() && full_precision(logits) {
+        logits.contiguous()?.apply_op2(&targets.contiguous()?, TokenLogProbs)
+    } else {
+        log_softmax_last_dim(logits)?.gather(&targets.unsqueeze(1)?, 1)?.squeeze(1)
+    }
+}
