@@ -26,9 +26,9 @@ for shape in $shapes; do
     [ "$shape" = tiny ] && flags+=(--tiny)
     [ "$mode" = frozen ] && flags+=(--base-frozen)
     echo "== $shape $mode: fedpo" >&2
-    "$fedpo" bench "${flags[@]}" > "$out/fedpo-$shape-$mode.json"
+    "$fedpo" bench "${flags[@]}" --gemm > "$out/fedpo-$shape-$mode.json"
     echo "== $shape $mode: peer" >&2
-    MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=17179869184 "$peer_py" "$peer_script" "${flags[@]}" > "$out/peer-$shape-$mode.json"
+    MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=17179869184 "$peer_py" "$peer_script" "${flags[@]}" --gemm > "$out/peer-$shape-$mode.json"
     echo "== $shape $mode: peer --logits-to-keep" >&2
     MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=17179869184 "$peer_py" "$peer_script" "${flags[@]}" --logits-to-keep > "$out/peer-keep-$shape-$mode.json"
   done
@@ -48,4 +48,13 @@ for shape in shapes:
         fs, ps, ks = f["seconds_per_step_median"], p["seconds_per_step_median"], k["seconds_per_step_median"]
         print(f"| {shape} | {mode} | {fs:.3f} | {ps:.3f} | {ks:.3f} | {ps/fs:.2f}x | {min(ps, ks)/fs:.2f}x "
               f"| {f['peak_rss_mb']:.0f} | {p['peak_rss_mb']:.0f} | {f['peak_rss_mb']/p['peak_rss_mb']:.2f} |")
+print()
+print("| shape | mode | fedpo matmul GFLOP/s (2048^3) | fedpo bound s/step | fedpo fraction of bound | peer sgemm GFLOP/s (2048^3) | peer bound s/step | peer fraction of bound |")
+print("|---|---|---|---|---|---|---|---|")
+for shape in shapes:
+    for mode in ("trainable", "frozen"):
+        f = load(f"fedpo-{shape}-{mode}.json"); p = load(f"peer-{shape}-{mode}.json")
+        print(f"| {shape} | {mode} | {f['gemm'][0]['gflops_best']:.0f} | {f['lower_bound_seconds_per_step_at_2048_sgemm']:.3f} "
+              f"| {f['fraction_of_sgemm_bound']:.0%} | {p['gemm'][0]['gflops_best']:.0f} "
+              f"| {p['lower_bound_seconds_per_step_at_2048_sgemm']:.3f} | {p['fraction_of_sgemm_bound']:.0%} |")
 PY

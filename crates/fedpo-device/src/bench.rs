@@ -56,6 +56,33 @@ pub(crate) struct BenchArgs {
     /// Seed of the model and the token batch.
     #[arg(long, default_value_t = 0)]
     pub(crate) seed: u64,
+    /// Also time candle's f32 matmul at 2048^3 and at the model's shapes (before the model
+    /// exists) and report the compute-bound fraction, as the peer's `--gemm` does.
+    #[arg(long)]
+    pub(crate) gemm: bool,
+}
+
+/// f32 matmul GFLOP/s (best and median of 10 after 2 warm-ups) at `(m, k, n)`.
+fn measure_gemm(shapes: &[(usize, usize, usize)], device: &Device) -> Result<Vec<serde_json::Value>> {
+    let mut out = Vec::new();
+    for &(m, k, n) in shapes {
+        let a = candle_core::Tensor::randn(0f32, 1.0, (m, k), device)?;
+        let b = candle_core::Tensor::randn(0f32, 1.0, (k, n), device)?;
+        for _ in 0..2 {
+            a.matmul(&b)?;
+        }
+        let mut times = Vec::new();
+        for _ in 0..10 {
+            let t0 = Instant::now();
+            drop(a.matmul(&b)?);
+            times.push(t0.elapsed().as_secs_f64());
+        }
+        let flops = 2.0 * (m * k * n) as f64;
+        let best = times.iter().copied().fold(f64::INFINITY, f64::min);
+        out.push(json!({ "m": m, "k": k, "n": n, "gflops_best": flops / best / 1e9,
+                         "gflops_median": flops / median(&times) / 1e9 }));
+    }
+    Ok(out)
 }
 
 fn median(xs: &[f64]) -> f64 {
@@ -107,6 +134,13 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
     let preset = if args.base_frozen { PartitionPreset::SharedLora } else { PartitionPreset::Pfeddpo };
     let spec =
         PolicySpec { config: config.clone(), lora: Some(LoraConfig::default()), partition: Partition::new(preset) };
+    let gemm = if args.gemm {
+        // the peer's shapes: 2048^3, then c_attn, c_fc and the head at the step's token count
+        let (d, v, t) = (config.n_embd, config.vocab_size, 2 * args.pairs * (args.prompt_len + args.resp_len));
+        Some(measure_gemm(&[(2048, 2048, 2048), (t, d, 3 * d), (t, d, 4 * d), (t, d, v)], &device)?)
+    } else {
+        None
+    };
     let t_build = Instant::now();
     let policy = Policy::build(spec, None, None, args.seed, DType::F32, &device)?;
     let build_s = t_build.elapsed().as_secs_f64();
@@ -151,7 +185,7 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
     let flops = step_flops(&config, 8, 2 * args.pairs, seq_len, 2 * args.pairs * args.resp_len, !args.base_frozen);
     let n_total: usize = policy.params.iter().map(|p| p.tensor().elem_count()).sum();
     let n_train: usize = policy.params.trainable().map(|p| p.tensor().elem_count()).sum();
-    let report = json!({
+    let mut report = json!({
         "implementation": "fedpo",
         "config": if args.tiny { "tiny" } else { "distilgpt2" },
         "model": { "n_layer": config.n_layer, "n_embd": config.n_embd, "n_head": config.n_head,
@@ -178,6 +212,13 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
         "flops_per_step": flops,
         "achieved_gflops": flops / med / 1e9,
     });
+    if let Some(gemm) = gemm {
+        let peak = gemm[0]["gflops_best"].as_f64().unwrap_or(f64::NAN);
+        let bound = flops / (peak * 1e9);
+        report["gemm"] = json!(gemm);
+        report["lower_bound_seconds_per_step_at_2048_sgemm"] = json!(bound);
+        report["fraction_of_sgemm_bound"] = json!(bound / med);
+    }
     println!("{}", serde_json::to_string_pretty(&report)?);
     Ok(())
 }

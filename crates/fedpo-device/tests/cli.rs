@@ -203,6 +203,39 @@ fn bench_prints_the_peer_keys() {
 }
 
 #[test]
+fn bench_with_gemm_reports_the_matmul_speed_and_the_compute_bound_fraction() {
+    let o = fedpo_device(&[
+        "bench",
+        "--tiny",
+        "--gemm",
+        "--pairs",
+        "1",
+        "--prompt-len",
+        "8",
+        "--resp-len",
+        "8",
+        "--steps",
+        "1",
+        "--warmup",
+        "0",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let report: Value = serde_json::from_slice(&o.stdout).unwrap();
+    let gemm = report["gemm"].as_array().expect("gemm list");
+    // 2048^3, then c_attn, c_fc and the head at 2 x (8 + 8) tokens of the tiny model
+    let shapes: Vec<(u64, u64, u64)> =
+        gemm.iter().map(|g| (g["m"].as_u64().unwrap(), g["k"].as_u64().unwrap(), g["n"].as_u64().unwrap())).collect();
+    assert_eq!(shapes, [(2048, 2048, 2048), (32, 128, 384), (32, 128, 512), (32, 128, 50257)]);
+    let peak = gemm[0]["gflops_best"].as_f64().unwrap();
+    assert!(peak > 0.0);
+    let bound = report["lower_bound_seconds_per_step_at_2048_sgemm"].as_f64().unwrap();
+    let flops = report["flops_per_step"].as_f64().unwrap();
+    assert!((bound - flops / (peak * 1e9)).abs() <= 1e-9 * bound.max(1.0));
+    let median = report["seconds_per_step_median"].as_f64().unwrap();
+    assert!((report["fraction_of_sgemm_bound"].as_f64().unwrap() - bound / median).abs() < 1e-12);
+}
+
+#[test]
 fn adapter_with_a_partition_that_has_none_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let o = fedpo_device(&[
