@@ -114,8 +114,17 @@ where
 {
     match Cli::try_parse_from(args)?.command {
         Command::Serve(args) => serve(args),
-        Command::Simulate(args) => simulate::run(args).map(|_| ()),
-        Command::Experiment(args) => experiment::run(args),
+        // In-process devices train, and allocate and free the same large activations
+        // every step: without this each step page-faults them back in (a quarter of a
+        // DistilGPT-2 round's CPU went to zeroing fresh pages).
+        Command::Simulate(args) => {
+            fedpo_device::allocator::keep_freed_memory_in_heap();
+            simulate::run(args).map(|_| ())
+        }
+        Command::Experiment(args) => {
+            fedpo_device::allocator::keep_freed_memory_in_heap();
+            experiment::run(args)
+        }
         Command::BenchFleet(args) => fleet_bench::run(args),
         Command::Plot { out } => {
             let records = plots::read_records(&out)?;

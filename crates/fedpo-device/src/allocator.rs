@@ -6,10 +6,11 @@
 //! Keeping freed memory in the heap removed that cost (about 1.5x step speed on two cores).
 //! Peak RSS is unchanged: the same buffers are reused instead of re-mapped.
 
-/// Disables mmap for large blocks and heap trimming, once, at start-up.
-pub(crate) fn keep_freed_memory_in_heap() {
+/// Disables mmap for large blocks and heap trimming. Call once, at start-up, in any
+/// process that trains: the device binary, and the aggregator's in-process fleets.
+pub fn keep_freed_memory_in_heap() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: mallopt only changes allocator parameters; called before other threads start.
+    // SAFETY: mallopt only changes allocator parameters and is MT-safe (mallopt(3)).
     unsafe {
         libc::mallopt(libc::M_MMAP_MAX, 0);
         // -1 disables trimming (mallopt(3)); a positive int caps the threshold at 2 GiB,

@@ -8,7 +8,6 @@
 //! fedpo-device run --config /etc/fedpo/device.toml                   # flags from a file
 //! ```
 
-mod allocator;
 mod bench;
 mod config_file;
 mod run;
@@ -46,7 +45,7 @@ enum Command {
 }
 
 fn main() -> Result<()> {
-    allocator::keep_freed_memory_in_heap();
+    fedpo_device::allocator::keep_freed_memory_in_heap();
     tracing_subscriber::fmt()
         .with_env_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,rumqttc=warn")))
         .with_writer(std::io::stderr)
