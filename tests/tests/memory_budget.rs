@@ -59,6 +59,7 @@ fn device_over_its_memory_budget_leaves_the_job_before_downloading_the_model() {
         signature: Vec::new(),
         secagg: None,
         update_codec: Default::default(),
+        sender_epoch: 0,
     });
     let aggregator = MqttLink::connect(&url, &LinkOptions::new("fake-aggregator")).unwrap();
     let down = Topics::new("mem").unwrap().down();

@@ -57,6 +57,8 @@ pub(crate) struct Server {
     signer: Option<PlanSigner>,
     /// Which process speaks for each device id.
     identities: Identities,
+    /// The plan's `sender_epoch`: random per process, bumped on every broker connection.
+    epoch: u64,
 }
 
 /// A round being collected.
@@ -174,6 +176,7 @@ impl Server {
         Ok(Self {
             signer,
             identities: Identities::default(),
+            epoch: rand::random(),
             link,
             topics,
             job,
@@ -328,6 +331,7 @@ impl Server {
             signature: Vec::new(), // signed as published
             secagg: secure.as_ref().map(|s| s.settings),
             update_codec: self.job.update_codec,
+            sender_epoch: self.epoch,
         };
         let training = !evaluation;
         let mut open = OpenRound {
@@ -391,6 +395,7 @@ impl Server {
     fn publish_plan(&mut self, open: &mut OpenRound) -> Result<()> {
         let mut plan = open.plan.clone();
         plan.selected.retain(|d| !open.reported.contains_key(d));
+        plan.sender_epoch = self.epoch;
         if let Some(signer) = &self.signer {
             signer.sign(&mut plan);
         }
@@ -495,6 +500,7 @@ impl Server {
         let delivery = match event {
             LinkEvent::Message(d) => d,
             LinkEvent::Connected => {
+                self.epoch = self.epoch.wrapping_add(1);
                 // Back after losing the broker: whatever was in flight may be gone, so the
                 // devices still missing get the plan again (those that already trained
                 // answer with the same update).

@@ -132,6 +132,11 @@ struct Participant {
     instance: u64,
     /// Connections to the broker so far, sent with every hello.
     connection: u32,
+    /// The round, the aggregator's epoch and our connection when this process last sent
+    /// an update: a plan for that round under the same two asks for nothing new.
+    sent_under: Option<(u64, u64, u32)>,
+    /// The `sender_epoch` of the latest plan that selected this device.
+    plan_epoch: u64,
     /// The current round's secure-aggregation state, if its plan asked for it.
     secure: Option<secure::SecureRound>,
 }
@@ -170,6 +175,8 @@ pub fn run(cfg: ParticipantConfig) -> Result<ParticipantSummary, ParticipantErro
         micro_batch_pairs: None,
         instance: rand::random::<u64>().max(1),
         connection: 1,
+        sent_under: None,
+        plan_epoch: 0,
         secure: None,
     };
     let span = tracing::info_span!("device", id = %p.cfg.id);
@@ -299,6 +306,7 @@ impl Participant {
                     if !plan.selected.iter().any(|d| d == &self.cfg.id) {
                         continue;
                     }
+                    self.plan_epoch = plan.sender_epoch;
                     let progress = self.state.progress()?;
                     let sha = hex::encode(&plan.global_model.sha256);
                     if plan.round < progress.last_round {
@@ -313,11 +321,17 @@ impl Participant {
                         continue;
                     }
                     if plan.round == progress.last_round {
-                        // The aggregator restarted mid-round: send the same update again.
+                        if self.sent_under == Some((plan.round, plan.sender_epoch, self.connection)) {
+                            // Resent for another device: ours is on its way, or arrived.
+                            continue;
+                        }
+                        // The aggregator restarted or reconnected mid-round, or we did, or this
+                        // process never sent it: send the same update again.
                         match self.state.last_update() {
                             Some(sent) if sent.update.round == plan.round && sent.global_sha256 == sha => {
                                 tracing::info!(round = plan.round, "resending this round's update");
                                 self.publish_update(&sent)?;
+                                self.sent_under = Some((plan.round, plan.sender_epoch, self.connection));
                             }
                             _ => tracing::warn!(round = plan.round, "plan for a round already trained; ignoring"),
                         }
@@ -484,6 +498,7 @@ impl Participant {
             self.state.commit_residual()?;
         }
         self.publish_update(&sent)?;
+        self.sent_under = Some((round, self.plan_epoch, self.connection));
         self.summary.rounds.push(round);
         tracing::info!(round, "update sent");
         Ok(())

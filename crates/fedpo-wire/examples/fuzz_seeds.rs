@@ -57,6 +57,7 @@ fn main() -> std::io::Result<()> {
         signature: Vec::new(),
         secagg: None,
         update_codec: UpdateCodec::TopK(0.05),
+        sender_epoch: 0x5eed,
     });
     let hello = Message::Hello(DeviceHello {
         device: "pi-7".into(),

@@ -119,6 +119,12 @@ pub struct RoundPlan {
     /// How devices encode their update this round (absent from older plans: f32).
     #[serde(default)]
     pub update_codec: crate::codec::UpdateCodec,
+    /// Changes whenever the aggregator restarts or reconnects to the broker, when what was
+    /// in flight to it may be lost. A device that already sent this round's update sends
+    /// it again only if this, or its own connection, changed since: a plan resent for
+    /// another device must not make every device still in flight upload twice.
+    #[serde(default)]
+    pub sender_epoch: u64,
 }
 
 /// What a device measured in its local round.

@@ -88,6 +88,7 @@ fn arb_message() -> impl Strategy<Value = Message> {
                         signature,
                         secagg,
                         update_codec,
+                        sender_epoch: round.rotate_left(17),
                     })
                 }
             ),
@@ -261,6 +262,7 @@ fn plan_with_non_finite_learning_rate_is_refused() {
         signature: Vec::new(),
         secagg: None,
         update_codec: Default::default(),
+        sender_epoch: 0,
     });
     let err = Message::decode(&msg.encode(), &Limits::default()).unwrap_err();
     assert!(err.to_string().contains("lr"), "{err}");
@@ -279,6 +281,7 @@ fn plan_with_an_oversized_model_spec_is_refused_naming_the_field() {
         signature: Vec::new(),
         secagg: None,
         update_codec: Default::default(),
+        sender_epoch: 0,
     });
     let err = Message::decode(&msg.encode(), &Limits::default()).unwrap_err().to_string();
     assert!(err.contains("model_spec") && err.contains("65536"), "{err}");
