@@ -105,6 +105,8 @@ struct Attention {
     c_attn: Conv1D,
     c_proj: Conv1D,
     n_head: usize,
+    /// The parameters' dtype, in which the softmax runs whatever the compute dtype.
+    master: DType,
 }
 
 impl Attention {
@@ -117,12 +119,13 @@ impl Attention {
             c_attn: Conv1D::load(b, &format!("{prefix}.c_attn"), (d, 3 * d), INIT_STD, adapted("attn.c_attn"))?,
             c_proj: Conv1D::load(b, &format!("{prefix}.c_proj"), (d, d), proj_std, adapted("attn.c_proj"))?,
             n_head: cfg.n_head,
+            master: b.dtype(),
         })
     }
 
     /// Causal self-attention. Right padding needs no extra mask: a real token only ever
     /// attends to earlier positions, which are real too.
-    fn forward(&self, x: &Tensor, causal_mask: &Tensor) -> CResult<Tensor> {
+    fn forward(&self, x: &Tensor) -> CResult<Tensor> {
         let (b, t, d) = x.dims3()?;
         let head_dim = d / self.n_head;
         let qkv = self.c_attn.forward(x)?;
@@ -130,10 +133,9 @@ impl Attention {
             qkv.narrow(2, i * d, d)?.reshape((b, t, self.n_head, head_dim))?.transpose(1, 2)?.contiguous()
         };
         let (q, k, v) = (split(0)?, split(1)?, split(2)?);
-        let scores = (q.matmul(&k.t()?)? * (1.0 / (head_dim as f64).sqrt()))?;
-        // The mask and the softmax stay in the master dtype (the mask's).
-        let scores = scores.to_dtype(causal_mask.dtype())?.broadcast_add(causal_mask)?;
-        let probs = ops::softmax_last_dim(&scores)?.to_dtype(v.dtype())?;
+        // The scaling, the mask and the softmax run in the master dtype.
+        let scores = q.matmul(&k.t()?)?.to_dtype(self.master)?;
+        let probs = ops::causal_softmax(&scores, 1.0 / (head_dim as f64).sqrt())?.to_dtype(v.dtype())?;
         let y = probs.matmul(&v)?.transpose(1, 2)?.reshape((b, t, d))?;
         self.c_proj.forward(&y)
     }
@@ -180,8 +182,8 @@ impl Block {
         })
     }
 
-    fn forward(&self, x: &Tensor, causal_mask: &Tensor) -> CResult<Tensor> {
-        let x = (x + self.attn.forward(&self.ln_1.forward(x)?, causal_mask)?)?;
+    fn forward(&self, x: &Tensor) -> CResult<Tensor> {
+        let x = (x + self.attn.forward(&self.ln_1.forward(x)?)?)?;
         &x + self.mlp.forward(&self.ln_2.forward(&x)?)?
     }
 }
@@ -256,9 +258,8 @@ impl Gpt2 {
         let tokens = self.wte.index_select(&input_ids.flatten_all()?, 0)?.reshape((b, t, d))?;
         let positions = self.wpe.narrow(0, 0, t)?;
         let mut x = tokens.to_dtype(self.compute)?.broadcast_add(&positions.to_dtype(self.compute)?)?;
-        let mask = causal_mask(t, self.dtype, &self.device)?;
         for block in &self.h {
-            x = block.forward(&x, &mask)?;
+            x = block.forward(&x)?;
         }
         Ok(self.ln_f.forward(&x)?)
     }
@@ -278,10 +279,4 @@ impl Gpt2 {
         let (b, t, d) = h.dims3()?;
         Ok(self.lm_head(&h.reshape((b * t, d))?)?.reshape((b, t, ()))?)
     }
-}
-
-fn causal_mask(t: usize, dtype: DType, device: &Device) -> CResult<Tensor> {
-    let mask: Vec<f32> =
-        (0..t).flat_map(|i| (0..t).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY })).collect();
-    Tensor::from_vec(mask, (t, t), device)?.to_dtype(dtype)
 }

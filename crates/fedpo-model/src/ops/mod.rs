@@ -25,7 +25,7 @@ use candle_core::{CpuStorage, Layout, Tensor, WithDType, D};
 pub use gelu::gelu_new;
 pub use layer_norm::layer_norm;
 pub use matmul_frozen::matmul_frozen_rhs;
-pub use softmax::softmax_last_dim;
+pub use softmax::{causal_softmax, softmax_last_dim};
 pub use token_logprobs::token_logprobs;
 
 type CResult<T> = candle_core::Result<T>;

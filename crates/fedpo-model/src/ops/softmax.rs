@@ -11,12 +11,18 @@ use rayon::prelude::*;
 use super::fast_math::FastExp;
 use super::{contiguous_slice, full_precision, CResult};
 
-fn forward_cpu<T: FastExp>(x: &[T], n: usize) -> Vec<T> {
+/// Softmax of `scale * row` over each row of `n`; with `causal`, row `r` of every `n x n`
+/// block keeps only its first `r % n + 1` entries (a query sees itself and earlier keys)
+/// and the rest are exactly zero.
+fn forward_cpu<T: FastExp>(x: &[T], n: usize, scale: f64, causal: bool) -> Vec<T> {
     let mut out = vec![T::zero(); x.len()];
-    out.par_chunks_mut(n).zip(x.par_chunks(n)).for_each(|(out, row)| {
-        let max = row.iter().fold(T::from_f64(f64::NEG_INFINITY), |m, &v| if v > m { v } else { m });
+    let scale = T::from_f64(scale);
+    out.par_chunks_mut(n).zip(x.par_chunks(n)).enumerate().for_each(|(r, (out, row))| {
+        let seen = if causal { r % n + 1 } else { n };
+        let (out, row) = (&mut out[..seen], &row[..seen]);
+        let max = row.iter().fold(T::from_f64(f64::NEG_INFINITY), |m, &v| if v * scale > m { v * scale } else { m });
         for (o, &v) in out.iter_mut().zip(row) {
-            *o = (v - max).fast_exp();
+            *o = (v * scale - max).fast_exp();
         }
         let sum: f64 = out.iter().map(|o| o.to_f64()).sum();
         let inv = T::from_f64(1.0 / sum);
@@ -25,13 +31,14 @@ fn forward_cpu<T: FastExp>(x: &[T], n: usize) -> Vec<T> {
     out
 }
 
-fn backward_cpu<T: WithDType>(probs: &[T], grad: &[T], n: usize) -> Vec<T> {
+/// `scale * p * (dy - sum(dy * p))`, row by row.
+fn backward_cpu<T: WithDType>(probs: &[T], grad: &[T], n: usize, scale: f64) -> Vec<T> {
     let mut out = vec![T::zero(); probs.len()];
     out.par_chunks_mut(n).zip(probs.par_chunks(n).zip(grad.par_chunks(n))).for_each(|(out, (p, g))| {
         let dot: f64 = p.iter().zip(g).map(|(p, g)| p.to_f64() * g.to_f64()).sum();
-        let dot = T::from_f64(dot);
+        let (dot, scale) = (T::from_f64(dot), T::from_f64(scale));
         for ((o, &p), &g) in out.iter_mut().zip(p).zip(g) {
-            *o = p * (g - dot);
+            *o = scale * p * (g - dot);
         }
     });
     out
@@ -41,7 +48,10 @@ fn last_dim(l: &Layout) -> usize {
     l.shape().dims().last().copied().unwrap_or(1).max(1)
 }
 
-struct Softmax;
+struct Softmax {
+    scale: f64,
+    causal: bool,
+}
 
 impl CustomOp1 for Softmax {
     fn name(&self) -> &'static str {
@@ -50,20 +60,31 @@ impl CustomOp1 for Softmax {
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> CResult<(CpuStorage, Shape)> {
         let n = last_dim(l);
+        let dims = l.shape().dims();
+        if self.causal && (dims.len() < 2 || dims[dims.len() - 2] != n) {
+            candle_core::bail!("causal softmax: scores must end in a square [t, t], got {dims:?}");
+        }
+        let (scale, causal) = (self.scale, self.causal);
         let out = match s {
-            CpuStorage::F32(_) => CpuStorage::F32(forward_cpu::<f32>(contiguous_slice(s, l, self.name())?, n)),
-            CpuStorage::F64(_) => CpuStorage::F64(forward_cpu::<f64>(contiguous_slice(s, l, self.name())?, n)),
+            CpuStorage::F32(_) => {
+                CpuStorage::F32(forward_cpu::<f32>(contiguous_slice(s, l, self.name())?, n, scale, causal))
+            }
+            CpuStorage::F64(_) => {
+                CpuStorage::F64(forward_cpu::<f64>(contiguous_slice(s, l, self.name())?, n, scale, causal))
+            }
             other => candle_core::bail!("softmax: unsupported dtype {:?}", other.dtype()),
         };
         Ok((out, l.shape().clone()))
     }
 
     fn bwd(&self, _x: &Tensor, res: &Tensor, grad: &Tensor) -> CResult<Option<Tensor>> {
-        Ok(Some(res.apply_op2_no_bwd(&grad.contiguous()?, &SoftmaxBackward)?))
+        Ok(Some(res.apply_op2_no_bwd(&grad.contiguous()?, &SoftmaxBackward { scale: self.scale })?))
     }
 }
 
-struct SoftmaxBackward;
+struct SoftmaxBackward {
+    scale: f64,
+}
 
 impl CustomOp2 for SoftmaxBackward {
     fn name(&self) -> &'static str {
@@ -77,11 +98,13 @@ impl CustomOp2 for SoftmaxBackward {
                 contiguous_slice(s1, l1, name)?,
                 contiguous_slice(s2, l2, name)?,
                 n,
+                self.scale,
             )),
             CpuStorage::F64(_) => CpuStorage::F64(backward_cpu::<f64>(
                 contiguous_slice(s1, l1, name)?,
                 contiguous_slice(s2, l2, name)?,
                 n,
+                self.scale,
             )),
             other => candle_core::bail!("softmax-backward: unsupported dtype {:?}", other.dtype()),
         };
@@ -92,10 +115,24 @@ impl CustomOp2 for SoftmaxBackward {
 /// Softmax over the last dimension.
 pub fn softmax_last_dim(x: &Tensor) -> CResult<Tensor> {
     if x.device().is_cpu() && full_precision(x) && x.rank() > 0 {
-        x.contiguous()?.apply_op1(Softmax)
+        x.contiguous()?.apply_op1(Softmax { scale: 1.0, causal: false })
     } else {
         super::softmax_composed(x)
     }
+}
+
+/// Causal attention probabilities from raw scores `[.., t, t]`: `softmax(scale * scores)`
+/// with every key after its query masked out. One op instead of a scale, a mask add and a
+/// softmax, each an attention-sized tensor kept for backward.
+pub fn causal_softmax(scores: &Tensor, scale: f64) -> CResult<Tensor> {
+    if scores.device().is_cpu() && full_precision(scores) {
+        return scores.contiguous()?.apply_op1(Softmax { scale, causal: true });
+    }
+    let t = scores.dim(candle_core::D::Minus1)?;
+    let mask: Vec<f32> =
+        (0..t).flat_map(|i| (0..t).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY })).collect();
+    let mask = Tensor::from_vec(mask, (t, t), scores.device())?.to_dtype(scores.dtype())?;
+    super::softmax_composed(&(scores * scale)?.broadcast_add(&mask)?)
 }
 
 #[cfg(test)]
@@ -132,5 +169,31 @@ mod tests {
         assert!(err < 1e-6, "{err}");
         let sums: Vec<f32> = ours.sum(1).unwrap().to_vec1().unwrap();
         assert!(sums.iter().all(|s| (s - 1.0).abs() < 1e-5), "{sums:?}");
+    }
+
+    #[test]
+    fn causal_softmax_equals_scaled_masked_softmax_in_value_and_gradient() {
+        let mask: Vec<f64> =
+            (0..7).flat_map(|i| (0..7).map(move |j| if j <= i { 0.0 } else { f64::NEG_INFINITY })).collect();
+        let mask = Tensor::from_vec(mask, (7, 7), &candle_core::Device::Cpu).unwrap();
+        let x = Var::from_tensor(&randn(&[2, 3, 7, 7], 34)).unwrap();
+        let upstream = randn(&[2, 3, 7, 7], 35);
+        let fused = causal_softmax(x.as_tensor(), 0.125).unwrap();
+        let composed = softmax_composed(&(x.as_tensor() * 0.125).unwrap().broadcast_add(&mask).unwrap()).unwrap();
+        assert!(max_abs_diff(&fused, &composed) < 1e-14);
+        // masked entries are exactly zero
+        let row0: Vec<f64> = fused.get(1).unwrap().get(2).unwrap().get(0).unwrap().to_vec1().unwrap();
+        assert_eq!(row0[1..], [0.0; 6]);
+        let g_fused = (fused * &upstream).unwrap().sum_all().unwrap().backward().unwrap();
+        let g_comp = (composed * &upstream).unwrap().sum_all().unwrap().backward().unwrap();
+        let (a, b) = (g_fused.get(x.as_tensor()).unwrap(), g_comp.get(x.as_tensor()).unwrap());
+        assert!(max_abs_diff(a, b) < 1e-12, "gradients differ by {}", max_abs_diff(a, b));
+    }
+
+    #[test]
+    fn causal_softmax_refuses_scores_that_are_not_square() {
+        let x = Tensor::zeros((2, 3, 5), candle_core::DType::F32, &candle_core::Device::Cpu).unwrap();
+        let err = causal_softmax(&x, 1.0).unwrap_err().to_string();
+        assert!(err.contains("square"), "{err}");
     }
 }
