@@ -8,7 +8,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Tensor, WithDType};
 use rayon::prelude::*;
 
-use super::fast_math::{exp_f32, max_f32};
+use super::fast_math::{exp_f32, max_f32, sum_exp_shifted};
 use super::{contiguous_slice, full_precision, log_softmax_last_dim, CResult};
 
 /// The per-row arithmetic, fast for f32 and exact-as-libm for f64.
@@ -27,15 +27,7 @@ impl RowMath for f32 {
             // non-finite answer (NaN for NaN, inf for inf, -inf for an all -inf row).
             return row.iter().map(|&v| (v as f64).exp()).sum::<f64>().ln();
         }
-        let mut lanes = [0f32; 8];
-        let mut chunks = row.chunks_exact(8);
-        for chunk in &mut chunks {
-            for (lane, &v) in lanes.iter_mut().zip(chunk) {
-                *lane += exp_f32(v - max);
-            }
-        }
-        let tail: f64 = chunks.remainder().iter().map(|&v| exp_f32(v - max) as f64).sum();
-        let sum = lanes.iter().map(|&v| v as f64).sum::<f64>() + tail;
+        let sum = sum_exp_shifted(row, max);
         max as f64 + sum.ln()
     }
 
