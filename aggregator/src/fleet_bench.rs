@@ -225,18 +225,23 @@ fn synthetic_device(url: &BrokerUrl, topics: &Topics, id: &str, orders: Receiver
     })
     .encode();
     let mut planned = false;
-    // Once per round: a plan resent for the devices still missing (the aggregator reads
-    // a hello this device sent before it got the plan as a request for it) does not make
-    // this device upload again; its QoS 1 upload is already on its way.
-    let mut uploaded = 0;
+    // Once per round and aggregator epoch, as real devices do: a plan resent for the
+    // devices still missing does not make this device upload again (its QoS 1 upload is
+    // on its way), but a plan from an aggregator that reconnected to the broker does,
+    // since what was in flight to it may be lost.
+    let mut uploaded = (0, 0);
     loop {
         if !planned {
             link.publish(&topics.up(id), hello.clone())?;
         }
         match orders.recv_timeout(Duration::from_secs(5)) {
-            Ok(Order::Upload(p)) if p.plan.selected.iter().any(|d| d == id) && p.plan.round > uploaded => {
+            Ok(Order::Upload(p))
+                if p.plan.selected.iter().any(|d| d == id)
+                    && (p.plan.round, p.plan.sender_epoch) != uploaded
+                    && p.plan.round >= uploaded.0 =>
+            {
                 planned = true;
-                uploaded = p.plan.round;
+                uploaded = (p.plan.round, p.plan.sender_epoch);
                 let transfer = format!("r{}/{id}", p.plan.round);
                 let metrics = UpdateMetrics {
                     train_loss: 0.5,
