@@ -11,6 +11,7 @@
 //! Layer norm, softmax and GELU are the gradient-safe versions of [`crate::ops`]; frozen
 //! projections use a matmul that skips the weight gradient.
 
+use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor};
 
 use crate::config::Gpt2Config;
@@ -89,9 +90,12 @@ impl Conv1D {
         let x2 = x.reshape((rows, fan_in))?;
         // Weights are kept in the master dtype and cast to the compute dtype at use (a no-op
         // when they agree); the gradient flows back through the cast in the master dtype.
-        let weight = self.weight.to_dtype(x.dtype())?;
-        let mut y = if self.weight_frozen { ops::matmul_frozen_rhs(&x2, &weight)? } else { x2.matmul(&weight)? };
-        y = y.broadcast_add(&self.bias.to_dtype(x.dtype())?)?;
+        // A frozen projection is detached, so backward skips its weight and bias gradients.
+        let param = |p: &Tensor| -> CResult<Tensor> {
+            let p = p.to_dtype(x.dtype())?;
+            Ok(if self.weight_frozen { p.detach() } else { p })
+        };
+        let mut y = ops::linear_bias(&x2, &param(&self.weight)?, &param(&self.bias)?)?;
         if let Some(lora) = &self.lora {
             y = (y + lora.forward(&x2)?)?;
         }
@@ -129,9 +133,10 @@ impl Attention {
         let (b, t, d) = x.dims3()?;
         let head_dim = d / self.n_head;
         let qkv = self.c_attn.forward(x)?;
-        let split = |i: usize| -> CResult<Tensor> {
-            qkv.narrow(2, i * d, d)?.reshape((b, t, self.n_head, head_dim))?.transpose(1, 2)?.contiguous()
-        };
+        // One copy per head tensor: the reshape is a view of the contiguous projection, and
+        // only the transpose to [b, head, t, head_dim] copies.
+        let qkv = qkv.reshape((b, t, 3, self.n_head, head_dim))?;
+        let split = |i: usize| -> CResult<Tensor> { qkv.narrow(2, i, 1)?.squeeze(2)?.transpose(1, 2)?.contiguous() };
         let (q, k, v) = (split(0)?, split(1)?, split(2)?);
         // The scaling, the mask and the softmax run in the master dtype.
         let scores = q.matmul(&k.t()?)?.to_dtype(self.master)?;
@@ -196,6 +201,8 @@ pub struct Gpt2 {
     h: Vec<Block>,
     ln_f: LayerNorm,
     wte_frozen: bool,
+    /// Where `wte`'s gradient from the lookup and the tied head collects in backward.
+    tied: ops::TiedGradient,
     n_positions: usize,
     dtype: DType,
     /// The dtype of matmuls and activations; `dtype` (the parameters', the logits' and
@@ -219,6 +226,7 @@ impl Gpt2 {
             h,
             ln_f,
             wte_frozen,
+            tied: ops::TiedGradient::default(),
             n_positions: cfg.n_positions,
             dtype: b.dtype(),
             compute: b.dtype(),
@@ -255,7 +263,13 @@ impl Gpt2 {
             return Err(ModelError::SequenceTooLong { len: t, max: self.n_positions });
         }
         let d = self.wte.dim(1)?;
-        let tokens = self.wte.index_select(&input_ids.flatten_all()?, 0)?.reshape((b, t, d))?;
+        let ids = input_ids.flatten_all()?;
+        let tokens = if ops::TiedGradient::applies_to(&self.wte, &self.wte) {
+            self.tied.lookup(&self.wte, &ids)?
+        } else {
+            self.wte.index_select(&ids, 0)?
+        };
+        let tokens = tokens.reshape((b, t, d))?;
         let positions = self.wpe.narrow(0, 0, t)?;
         let mut x = tokens.to_dtype(self.compute)?.broadcast_add(&positions.to_dtype(self.compute)?)?;
         for block in &self.h {
@@ -267,9 +281,22 @@ impl Gpt2 {
     /// Logits `[n, vocab]` for hidden states `[n, n_embd]`, in the master dtype: the
     /// log-softmax over the vocabulary that follows needs its precision.
     pub fn lm_head(&self, hidden: &Tensor) -> Result<Tensor> {
+        if ops::TiedGradient::applies_to(&self.wte, hidden) {
+            return Ok(self.tied.head(hidden, &self.wte)?);
+        }
         let head = self.wte.t()?.to_dtype(hidden.dtype())?;
         let logits = if self.wte_frozen { ops::matmul_frozen_rhs(hidden, &head)? } else { hidden.matmul(&head)? };
         Ok(logits.to_dtype(self.dtype)?)
+    }
+
+    /// Gradients of `loss` (a scalar computed from this model's outputs) for every tracked
+    /// tensor. Use this rather than `loss.backward()`: the tied embedding's gradient is
+    /// collected outside candle's store (see [`ops::TiedGradient`]) and added here.
+    pub fn backward(&self, loss: &Tensor) -> Result<GradStore> {
+        self.tied.clear();
+        let mut grads = loss.backward()?;
+        self.tied.collect(&self.wte, &mut grads)?;
+        Ok(grads)
     }
 
     /// Logits `[batch, seq, vocab]` at every position (for tests and reference checks; the

@@ -107,10 +107,11 @@ pub(crate) struct LoraLayer {
 }
 
 impl LoraLayer {
-    /// `scale * x A^T B^T` for a 2-D `x: [n, in]`.
+    /// `scale * x A^T B^T` for a 2-D `x: [n, in]`. The scale applies to the rank-`r`
+    /// intermediate, so no output-sized tensor is made (and kept for backward) just to scale.
     pub(crate) fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let (a, b) = (self.a.to_dtype(x.dtype())?, self.b.to_dtype(x.dtype())?);
-        x.matmul(&a.t()?)?.matmul(&b.t()?)? * self.scale
+        (x.matmul(&a.t()?)? * self.scale)?.matmul(&b.t()?)
     }
 }
 

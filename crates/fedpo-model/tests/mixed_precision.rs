@@ -38,7 +38,7 @@ fn logits_and_grads(policy: &Policy) -> (Vec<f32>, Vec<(String, Vec<f32>)>) {
         .sin()
         .unwrap();
     let loss = logits.broadcast_mul(&coeff).unwrap().sum_all().unwrap();
-    let grads = loss.backward().unwrap();
+    let grads = policy.model.backward(&loss).unwrap();
     let named = policy
         .params
         .trainable()

@@ -207,7 +207,7 @@ impl LocalTrainer {
             let scale = 1.0 / indices.len() as f64;
             let coeffs: Vec<f64> = out.grad_chosen.iter().chain(&out.grad_rejected).map(|g| g * scale).collect();
             let coeffs = Tensor::from_vec(coeffs, logps.dims(), &device)?.to_dtype(dtype)?;
-            let store = (logps * coeffs)?.sum_all()?.backward()?;
+            let store = policy.model.backward(&(logps * coeffs)?.sum_all()?)?;
             for (name, var) in &trainable {
                 if let Some(g) = store.get(var.as_tensor()) {
                     let acc = match grads.remove(*name) {

@@ -4,10 +4,12 @@
 //! silently, and composing them from primitives allocates many activation-sized temporaries.
 //! The CPU kernels here, one per file, do each in a pass or two, with the backward written
 //! out:
+//! - [`linear_bias`]: `x @ w + bias` in one node, gradients only for what is trained;
 //! - [`matmul_frozen_rhs`]: a matmul whose backward skips the weight gradient;
 //! - [`token_logprobs`]: a fused log-softmax + gather over the vocabulary;
 //! - [`gelu_new`]: GPT-2's tanh GELU with its exact derivative;
-//! - [`layer_norm`] and [`softmax_last_dim`]: forward keeps only what backward needs.
+//! - [`layer_norm`] and [`softmax_last_dim`]: forward keeps only what backward needs;
+//! - [`TiedGradient`]: the embedding lookup and the tied head, adding into one gradient.
 //!
 //! f32 kernels run on [`fast_math`]'s vectorised `exp`/`tanh`; f64 ones keep libm and are
 //! the reference. Each kernel falls back to composed candle ops off the CPU and in half
@@ -16,16 +18,20 @@
 mod fast_math;
 mod gelu;
 mod layer_norm;
+mod linear;
 mod matmul_frozen;
 mod softmax;
+mod tied_embedding;
 mod token_logprobs;
 
 use candle_core::{CpuStorage, Layout, Tensor, WithDType, D};
 
 pub use gelu::gelu_new;
 pub use layer_norm::layer_norm;
+pub use linear::linear_bias;
 pub use matmul_frozen::matmul_frozen_rhs;
 pub use softmax::{causal_softmax, softmax_last_dim};
+pub use tied_embedding::TiedGradient;
 pub use token_logprobs::token_logprobs;
 
 type CResult<T> = candle_core::Result<T>;
