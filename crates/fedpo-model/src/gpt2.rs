@@ -95,10 +95,18 @@ impl Conv1D {
             let p = p.to_dtype(x.dtype())?;
             Ok(if self.weight_frozen { p.detach() } else { p })
         };
-        let mut y = ops::linear_bias(&x2, &param(&self.weight)?, &param(&self.bias)?)?;
-        if let Some(lora) = &self.lora {
-            y = (y + lora.forward(&x2)?)?;
-        }
+        let y = match &self.lora {
+            // The base trains, so backward forms the weight-sized gradient anyway: folding the
+            // adapter into the weight (W + s A^T B^T) costs one small matmul and saves the two
+            // output-sized tensors (adapter output and sum) that backward would keep. Only in
+            // the master dtype: rounded to half precision, W would swallow a small update.
+            Some(lora) if !self.weight_frozen && x.dtype() == self.weight.dtype() => {
+                let merged = (&self.weight + lora.delta_weight()?)?;
+                ops::linear_bias(&x2, &merged, &self.bias)?
+            }
+            Some(lora) => (ops::linear_bias(&x2, &param(&self.weight)?, &param(&self.bias)?)? + lora.forward(&x2)?)?,
+            None => ops::linear_bias(&x2, &param(&self.weight)?, &param(&self.bias)?)?,
+        };
         out_dims.push(y.dim(1)?);
         y.reshape(out_dims)
     }

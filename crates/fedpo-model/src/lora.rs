@@ -113,6 +113,12 @@ impl LoraLayer {
         let (a, b) = (self.a.to_dtype(x.dtype())?, self.b.to_dtype(x.dtype())?);
         (x.matmul(&a.t()?)? * self.scale)?.matmul(&b.t()?)
     }
+
+    /// The adapter as a weight update in the Conv1D layout, `s A^T B^T: [in, out]`, in the
+    /// adapter's dtype.
+    pub(crate) fn delta_weight(&self) -> candle_core::Result<Tensor> {
+        (self.a.t()? * self.scale)?.matmul(&self.b.t()?)
+    }
 }
 
 #[cfg(test)]

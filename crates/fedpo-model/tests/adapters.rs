@@ -101,3 +101,22 @@ fn sequence_longer_than_positions_is_an_error_naming_the_limit() {
     let msg = policy.model.forward(&long).unwrap_err().to_string();
     assert!(msg.contains("33") && msg.contains("32"), "{msg}");
 }
+
+#[test]
+fn an_adapter_changes_the_logits_alike_whether_the_base_trains_or_is_frozen() {
+    // A trainable base folds the adapter into its weights; a frozen one adds its output.
+    let targets = ["c_attn", "mlp.c_fc", "mlp.c_proj"];
+    let trained = Policy::random(tiny_spec(PartitionPreset::Pfeddpo, &targets), 4, &Device::Cpu).unwrap();
+    let frozen = Policy::random(tiny_spec(PartitionPreset::SharedLora, &targets), 4, &Device::Cpu).unwrap();
+    let before = frozen.model.forward(&ids()).unwrap();
+    perturb_adapter(&trained);
+    for p in trained.params.with_kind(ParamKind::Adapter) {
+        frozen.params.get(&p.name).unwrap().var().unwrap().set(p.tensor()).unwrap();
+    }
+    let a = trained.model.forward(&ids()).unwrap();
+    let b = frozen.model.forward(&ids()).unwrap();
+    let diff = |x: &Tensor, y: &Tensor| (x - y).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+    let scale = a.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+    assert!(diff(&a, &b) < 1e-5 * scale, "paths differ by {} (scale {scale})", diff(&a, &b));
+    assert!(diff(&before, &b) > 1e-2 * scale, "the adapter must change the logits");
+}
