@@ -297,6 +297,19 @@ impl Gpt2 {
         Ok(logits.to_dtype(self.dtype)?)
     }
 
+    /// `log softmax(logits)[i, targets[i]]` for hidden states `[n, n_embd]` and target ids
+    /// `[n]`, in the master dtype. On the CPU in full precision the head and the log-softmax
+    /// run as one op that keeps no logits tensor in the graph.
+    pub fn token_logprobs(&self, hidden: &Tensor, targets: &Tensor) -> Result<Tensor> {
+        let fused =
+            self.device.is_cpu() && hidden.dtype() == self.wte.dtype() && matches!(self.dtype, DType::F32 | DType::F64);
+        if fused {
+            let wte = if self.wte_frozen { self.wte.detach() } else { self.wte.clone() };
+            return Ok(self.tied.head_logprobs(hidden, &wte, targets)?);
+        }
+        Ok(ops::token_logprobs(&self.lm_head(hidden)?, targets)?)
+    }
+
     /// Gradients of `loss` (a scalar computed from this model's outputs) for every tracked
     /// tensor. Use this rather than `loss.backward()`: the tied embedding's gradient is
     /// collected outside candle's store (see [`ops::TiedGradient`]) and added here.

@@ -2,12 +2,13 @@
 //!
 //! Response token `j` of a row is scored by the hidden state at `j - 1`. Only those rows of
 //! the `[2P x T]` hidden grid go through the `n_embd x vocab` head, so the largest matmul of
-//! the model shrinks by the prompt's share of the sequence, and the fused log-softmax +
-//! gather ([`fedpo_model::ops::token_logprobs`]) never materialises the full logits twice.
+//! the model shrinks by the prompt's share of the sequence. The head and the log-softmax +
+//! gather run fused ([`fedpo_model::Gpt2::token_logprobs`]): backward turns the logits into
+//! their own gradient in place instead of allocating logits-sized tensors.
 
 use candle_core::{DType, Device, Tensor};
 use fedpo_data::PairBatch;
-use fedpo_model::{ops, Policy};
+use fedpo_model::Policy;
 
 use crate::error::Result;
 
@@ -68,8 +69,7 @@ pub fn sequence_logps(policy: &Policy, batch: &BatchTensors) -> Result<Tensor> {
     let hidden = policy.model.hidden_states(&batch.input_ids)?;
     let d = hidden.dim(2)?;
     let hidden = hidden.reshape(((), d))?.index_select(&batch.score_rows, 0)?;
-    let logits = policy.model.lm_head(&hidden)?;
-    let token_logps = ops::token_logprobs(&logits, &batch.targets)?;
+    let token_logps = policy.model.token_logprobs(&hidden, &batch.targets)?;
     Ok(batch.segments.matmul(&token_logps.unsqueeze(1)?)?.squeeze(1)?)
 }
 

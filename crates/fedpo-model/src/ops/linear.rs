@@ -71,10 +71,14 @@ impl CustomOp3 for LinearBias {
         _res: &Tensor,
         grad: &Tensor,
     ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let trained = |t: &Tensor| t.track_op();
-        let dx = trained(x).then(|| grad.matmul(&w.t()?)).transpose()?;
-        let dw = trained(w).then(|| x.t()?.matmul(grad)).transpose()?;
-        let db = trained(bias).then(|| grad.sum(0)).transpose()?;
+        // Gradients are built from tensors that track (x, w), so each would record an op
+        // holding `grad` alive; a parameter's gradient lives until the optimizer step, and
+        // with it every layer's output gradient. Detached, they hold only their own storage.
+        let (want_dx, want_dw, want_db) = (x.track_op(), w.track_op(), bias.track_op());
+        let (x, w, grad) = (x.detach(), w.detach(), grad.detach());
+        let dx = want_dx.then(|| grad.matmul(&w.t()?)).transpose()?;
+        let dw = want_dw.then(|| x.t()?.matmul(&grad)).transpose()?;
+        let db = want_db.then(|| grad.sum(0)).transpose()?;
         Ok((dx, dw, db))
     }
 }
@@ -117,6 +121,8 @@ mod tests {
         for v in [&x, &w, &b] {
             let (a, e) = (g_fused.get(v.as_tensor()).unwrap(), g_plain.get(v.as_tensor()).unwrap());
             assert_eq!(a.dims(), v.dims());
+            // A gradient that recorded an op would keep the upstream gradient alive with it.
+            assert!(!a.track_op(), "gradients must hold no graph");
             assert!(max_abs_diff(a, e) < 1e-12, "gradient differs by {}", max_abs_diff(a, e));
         }
     }

@@ -9,7 +9,8 @@
 //! - [`token_logprobs`]: a fused log-softmax + gather over the vocabulary;
 //! - [`gelu_new`]: GPT-2's tanh GELU with its exact derivative;
 //! - [`layer_norm`] and [`softmax_last_dim`]: forward keeps only what backward needs;
-//! - [`TiedGradient`]: the embedding lookup and the tied head, adding into one gradient.
+//! - [`TiedGradient`]: the embedding lookup and the tied head (alone, or fused with the
+//!   target tokens' log-probabilities), adding into one gradient buffer.
 //!
 //! f32 kernels run on [`fast_math`]'s vectorised `exp`/`tanh`; f64 ones keep libm and are
 //! the reference. Each kernel falls back to composed candle ops off the CPU and in half
@@ -17,6 +18,7 @@
 
 mod fast_math;
 mod gelu;
+mod head_logprobs;
 mod layer_norm;
 mod linear;
 mod matmul_frozen;

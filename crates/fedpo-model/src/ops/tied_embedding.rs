@@ -17,9 +17,10 @@ use candle_core::backend::BackendStorage;
 use candle_core::backprop::GradStore;
 use candle_core::{CpuStorage, CustomOp2, InplaceOp2, InplaceOp3, Layout, Shape, Tensor, WithDType};
 
+use super::head_logprobs::HeadLogProbs;
 use super::{contiguous_slice, CResult};
 
-type Slot = Arc<Mutex<Option<Tensor>>>;
+pub(super) type Slot = Arc<Mutex<Option<Tensor>>>;
 
 /// Where the tied embedding's gradient collects during one backward pass.
 ///
@@ -70,10 +71,17 @@ impl TiedGradient {
     pub fn head(&self, hidden: &Tensor, wte: &Tensor) -> CResult<Tensor> {
         hidden.apply_op2(wte, Head { slot: self.0.clone() })
     }
+
+    /// `log softmax(hidden @ wte^T)[i, targets[i]]` without a logits tensor in the graph
+    /// (see [`super::head_logprobs`]); `wte`'s gradient, if it trains, goes to this buffer.
+    /// CPU, f32 or f64, `hidden` in `wte`'s dtype.
+    pub fn head_logprobs(&self, hidden: &Tensor, wte: &Tensor, targets: &Tensor) -> CResult<Tensor> {
+        hidden.contiguous()?.apply_op3(wte, &targets.contiguous()?, HeadLogProbs::new(self.0.clone()))
+    }
 }
 
 /// Adds `grad` into the slot, taking it as the buffer when the slot is empty.
-fn add_into(slot: &Slot, grad: Tensor) -> CResult<()> {
+pub(super) fn add_into(slot: &Slot, grad: Tensor) -> CResult<()> {
     let mut guard = slot.lock().unwrap_or_else(PoisonError::into_inner);
     match guard.as_ref() {
         Some(acc) => acc.inplace_op2(&grad, &AddInPlace),
@@ -146,8 +154,12 @@ impl CustomOp2 for Head {
         _res: &Tensor,
         grad: &Tensor,
     ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
-        add_into(&self.slot, grad.t()?.matmul(hidden)?)?;
-        let dhidden = hidden.track_op().then(|| grad.matmul(wte)).transpose()?;
+        // Detached operands: a gradient built from tracked tensors records an op that holds
+        // `grad` (the logits' gradient, 103 MB at DistilGPT-2's step) alive.
+        let want_dhidden = hidden.track_op();
+        let (hidden, wte, grad) = (hidden.detach(), wte.detach(), grad.detach());
+        add_into(&self.slot, grad.t()?.matmul(&hidden)?)?;
+        let dhidden = want_dhidden.then(|| grad.matmul(&wte)).transpose()?;
         Ok((dhidden, None))
     }
 }

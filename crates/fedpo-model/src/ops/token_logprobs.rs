@@ -12,11 +12,11 @@ use super::fast_math::{exp_f32, max_f32, sum_exp_shifted};
 use super::{contiguous_slice, full_precision, log_softmax_last_dim, CResult};
 
 /// The per-row arithmetic, fast for f32 and exact-as-libm for f64.
-trait RowMath: WithDType {
+pub(super) trait RowMath: WithDType {
     /// `log sum exp(row)`, in f64.
     fn row_logsumexp(row: &[Self]) -> f64;
-    /// `out[j] = -g * exp(row[j] - lse)`.
-    fn scaled_softmax(out: &mut [Self], row: &[Self], lse: f64, g: f64);
+    /// `row[j] = -g * exp(row[j] - lse)`, in place.
+    fn scaled_softmax(row: &mut [Self], lse: f64, g: f64);
 }
 
 impl RowMath for f32 {
@@ -31,10 +31,10 @@ impl RowMath for f32 {
         max as f64 + sum.ln()
     }
 
-    fn scaled_softmax(out: &mut [f32], row: &[f32], lse: f64, g: f64) {
+    fn scaled_softmax(row: &mut [f32], lse: f64, g: f64) {
         let (lse, g) = (lse as f32, g as f32);
-        for (o, &v) in out.iter_mut().zip(row) {
-            *o = -g * exp_f32(v - lse);
+        for v in row.iter_mut() {
+            *v = -g * exp_f32(*v - lse);
         }
     }
 }
@@ -46,23 +46,23 @@ impl RowMath for f64 {
         max + sum.ln()
     }
 
-    fn scaled_softmax(out: &mut [f64], row: &[f64], lse: f64, g: f64) {
-        for (o, &v) in out.iter_mut().zip(row) {
-            *o = -g * (v - lse).exp();
+    fn scaled_softmax(row: &mut [f64], lse: f64, g: f64) {
+        for v in row.iter_mut() {
+            *v = -g * (*v - lse).exp();
         }
     }
 }
 
 struct TokenLogProbs;
 
-fn check_targets(targets: &[u32], vocab: usize) -> CResult<()> {
+pub(super) fn check_targets(targets: &[u32], vocab: usize) -> CResult<()> {
     if let Some(&bad) = targets.iter().find(|&&t| t as usize >= vocab) {
         candle_core::bail!("token id {bad} is outside the vocabulary of {vocab}");
     }
     Ok(())
 }
 
-fn token_logprobs_cpu<T: RowMath>(logits: &[T], targets: &[u32], vocab: usize) -> CResult<Vec<T>> {
+pub(super) fn token_logprobs_cpu<T: RowMath>(logits: &[T], targets: &[u32], vocab: usize) -> CResult<Vec<T>> {
     check_targets(targets, vocab)?;
     Ok(logits
         .par_chunks(vocab)
@@ -110,18 +110,21 @@ impl CustomOp2 for TokenLogProbs {
 /// row's log-sum-exp recovered from the forward result (`lse = logit[t] - res`).
 struct TokenLogProbsGrad;
 
-fn token_logprobs_grad_cpu<T: RowMath>(logits: &[T], targets: &[u32], res_and_grad: &[T], vocab: usize) -> Vec<T> {
-    let rows = targets.len();
-    let (res, grad) = res_and_grad.split_at(rows);
-    let mut out = vec![T::zero(); logits.len()];
-    out.par_chunks_mut(vocab).enumerate().for_each(|(i, out_row)| {
-        let row = &logits[i * vocab..(i + 1) * vocab];
+/// Turns `logits` into `d/dlogits` in place, row by row: `g * (onehot(t) - softmax(row))`.
+pub(super) fn logits_into_grad<T: RowMath>(logits: &mut [T], targets: &[u32], res: &[T], grad: &[T], vocab: usize) {
+    logits.par_chunks_mut(vocab).enumerate().for_each(|(i, row)| {
         let t = targets[i] as usize;
         let lse = row[t].to_f64() - res[i].to_f64();
         let g = grad[i].to_f64();
-        T::scaled_softmax(out_row, row, lse, g);
-        out_row[t] = T::from_f64(out_row[t].to_f64() + g);
+        T::scaled_softmax(row, lse, g);
+        row[t] = T::from_f64(row[t].to_f64() + g);
     });
+}
+
+fn token_logprobs_grad_cpu<T: RowMath>(logits: &[T], targets: &[u32], res_and_grad: &[T], vocab: usize) -> Vec<T> {
+    let (res, grad) = res_and_grad.split_at(targets.len());
+    let mut out = logits.to_vec();
+    logits_into_grad(&mut out, targets, res, grad, vocab);
     out
 }
 
