@@ -178,22 +178,12 @@ fn missing_backend_names_the_feature_to_build_with() {
     assert!(stderr(&o).contains("--features cuda"), "{}", stderr(&o));
 }
 
+/// A bench small enough for a test: the tiny model, one pair of 8 + 8 tokens.
+const SMALL_BENCH: &[&str] = &["bench", "--tiny", "--pairs", "1", "--prompt-len", "8", "--resp-len", "8"];
+
 #[test]
 fn bench_prints_the_peer_keys() {
-    let o = fedpo_device(&[
-        "bench",
-        "--tiny",
-        "--pairs",
-        "1",
-        "--prompt-len",
-        "8",
-        "--resp-len",
-        "8",
-        "--steps",
-        "2",
-        "--warmup",
-        "1",
-    ]);
+    let o = fedpo_device(&[SMALL_BENCH, &["--steps", "2", "--warmup", "1"]].concat());
     assert!(o.status.success(), "{}", stderr(&o));
     let report: Value = serde_json::from_slice(&o.stdout).unwrap();
     for key in ["seconds_per_step_median", "pairs_per_second", "peak_rss_mb"] {
@@ -204,21 +194,7 @@ fn bench_prints_the_peer_keys() {
 
 #[test]
 fn bench_with_gemm_reports_the_matmul_speed_and_the_compute_bound_fraction() {
-    let o = fedpo_device(&[
-        "bench",
-        "--tiny",
-        "--gemm",
-        "--pairs",
-        "1",
-        "--prompt-len",
-        "8",
-        "--resp-len",
-        "8",
-        "--steps",
-        "1",
-        "--warmup",
-        "0",
-    ]);
+    let o = fedpo_device(&[SMALL_BENCH, &["--gemm", "--steps", "1", "--warmup", "0"]].concat());
     assert!(o.status.success(), "{}", stderr(&o));
     let report: Value = serde_json::from_slice(&o.stdout).unwrap();
     let gemm = report["gemm"].as_array().expect("gemm list");

@@ -67,11 +67,8 @@ impl CustomOp3 for HeadLogProbs {
         }
         check_targets(targets, vocab)?;
         let logits = sh.matmul(sw, (1, n, vocab, d), lh, &lw.transpose(0, 1)?)?;
-        let out = match &logits {
-            CpuStorage::F32(l) => CpuStorage::F32(token_logprobs_cpu(l, targets, vocab)?),
-            CpuStorage::F64(l) => CpuStorage::F64(token_logprobs_cpu(l, targets, vocab)?),
-            other => candle_core::bail!("{}: unsupported dtype {:?}", self.name(), other.dtype()),
-        };
+        let out = map_float_storage!(&logits, self.name(), T =>
+            token_logprobs_cpu(logits.as_slice::<T>()?, targets, vocab)?);
         *self.logits.lock().unwrap_or_else(PoisonError::into_inner) = Some(logits);
         Ok((out, Shape::from(n)))
     }

@@ -103,21 +103,12 @@ impl CustomOp3 for LayerNorm {
         l3: &Layout,
     ) -> CResult<(CpuStorage, Shape)> {
         let n = self.name();
-        let out = match s1 {
-            CpuStorage::F32(_) => CpuStorage::F32(forward_cpu::<f32>(
-                contiguous_slice(s1, l1, n)?,
-                contiguous_slice(s2, l2, n)?,
-                contiguous_slice(s3, l3, n)?,
-                self.eps,
-            )),
-            CpuStorage::F64(_) => CpuStorage::F64(forward_cpu::<f64>(
-                contiguous_slice(s1, l1, n)?,
-                contiguous_slice(s2, l2, n)?,
-                contiguous_slice(s3, l3, n)?,
-                self.eps,
-            )),
-            other => candle_core::bail!("layer-norm: unsupported dtype {:?}", other.dtype()),
-        };
+        let out = map_float_storage!(s1, n, T => forward_cpu::<T>(
+            contiguous_slice(s1, l1, n)?,
+            contiguous_slice(s2, l2, n)?,
+            contiguous_slice(s3, l3, n)?,
+            self.eps,
+        ));
         Ok((out, l1.shape().clone()))
     }
 
@@ -162,21 +153,12 @@ impl CustomOp3 for LayerNormBackward {
         let n = self.name();
         let d = l2.shape().elem_count();
         let rows = l1.shape().elem_count() / d.max(1);
-        let out = match s1 {
-            CpuStorage::F32(_) => CpuStorage::F32(backward_cpu::<f32>(
-                contiguous_slice(s1, l1, n)?,
-                contiguous_slice(s2, l2, n)?,
-                contiguous_slice(s3, l3, n)?,
-                self.eps,
-            )),
-            CpuStorage::F64(_) => CpuStorage::F64(backward_cpu::<f64>(
-                contiguous_slice(s1, l1, n)?,
-                contiguous_slice(s2, l2, n)?,
-                contiguous_slice(s3, l3, n)?,
-                self.eps,
-            )),
-            other => candle_core::bail!("layer-norm-backward: unsupported dtype {:?}", other.dtype()),
-        };
+        let out = map_float_storage!(s1, n, T => backward_cpu::<T>(
+            contiguous_slice(s1, l1, n)?,
+            contiguous_slice(s2, l2, n)?,
+            contiguous_slice(s3, l3, n)?,
+            self.eps,
+        ));
         Ok((out, Shape::from((rows + 2, d))))
     }
 }

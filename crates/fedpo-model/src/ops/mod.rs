@@ -16,6 +16,24 @@
 //! the reference. Each kernel falls back to composed candle ops off the CPU and in half
 //! precision.
 
+/// One body for f32 and f64 CPU storages: `$T` names the element type inside `$body`, whose
+/// result goes back into a storage of the same dtype. Any other dtype is an error naming `$op`.
+macro_rules! map_float_storage {
+    ($storage:expr, $op:expr, $T:ident => $body:expr) => {
+        match $storage {
+            candle_core::CpuStorage::F32(_) => {
+                type $T = f32;
+                candle_core::CpuStorage::F32($body)
+            }
+            candle_core::CpuStorage::F64(_) => {
+                type $T = f64;
+                candle_core::CpuStorage::F64($body)
+            }
+            other => candle_core::bail!("{}: unsupported dtype {:?}", $op, other.dtype()),
+        }
+    };
+}
+
 mod fast_math;
 mod gelu;
 mod head_logprobs;

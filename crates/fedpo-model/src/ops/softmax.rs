@@ -20,7 +20,7 @@ fn forward_cpu<T: FastExp>(x: &[T], n: usize, scale: f64, causal: bool) -> Vec<T
     out.par_chunks_mut(n).zip(x.par_chunks(n)).enumerate().for_each(|(r, (out, row))| {
         let seen = if causal { r % n + 1 } else { n };
         let (out, row) = (&mut out[..seen], &row[..seen]);
-        let max = row.iter().fold(T::from_f64(f64::NEG_INFINITY), |m, &v| if v * scale > m { v * scale } else { m });
+        let max = row.iter().map(|&v| v * scale).fold(T::from_f64(f64::NEG_INFINITY), |m, v| if v > m { v } else { m });
         for (o, &v) in out.iter_mut().zip(row) {
             *o = (v * scale - max).fast_exp();
         }
@@ -65,15 +65,8 @@ impl CustomOp1 for Softmax {
             candle_core::bail!("causal softmax: scores must end in a square [t, t], got {dims:?}");
         }
         let (scale, causal) = (self.scale, self.causal);
-        let out = match s {
-            CpuStorage::F32(_) => {
-                CpuStorage::F32(forward_cpu::<f32>(contiguous_slice(s, l, self.name())?, n, scale, causal))
-            }
-            CpuStorage::F64(_) => {
-                CpuStorage::F64(forward_cpu::<f64>(contiguous_slice(s, l, self.name())?, n, scale, causal))
-            }
-            other => candle_core::bail!("softmax: unsupported dtype {:?}", other.dtype()),
-        };
+        let out = map_float_storage!(s, self.name(), T =>
+            forward_cpu::<T>(contiguous_slice(s, l, self.name())?, n, scale, causal));
         Ok((out, l.shape().clone()))
     }
 
@@ -93,21 +86,12 @@ impl CustomOp2 for SoftmaxBackward {
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> CResult<(CpuStorage, Shape)> {
         let (name, n) = (self.name(), last_dim(l1));
-        let out = match s1 {
-            CpuStorage::F32(_) => CpuStorage::F32(backward_cpu::<f32>(
-                contiguous_slice(s1, l1, name)?,
-                contiguous_slice(s2, l2, name)?,
-                n,
-                self.scale,
-            )),
-            CpuStorage::F64(_) => CpuStorage::F64(backward_cpu::<f64>(
-                contiguous_slice(s1, l1, name)?,
-                contiguous_slice(s2, l2, name)?,
-                n,
-                self.scale,
-            )),
-            other => candle_core::bail!("softmax-backward: unsupported dtype {:?}", other.dtype()),
-        };
+        let out = map_float_storage!(s1, name, T => backward_cpu::<T>(
+            contiguous_slice(s1, l1, name)?,
+            contiguous_slice(s2, l2, name)?,
+            n,
+            self.scale,
+        ));
         Ok((out, l1.shape().clone()))
     }
 }

@@ -82,15 +82,8 @@ impl CustomOp2 for TokenLogProbs {
         if targets.len() != rows {
             candle_core::bail!("token-logprobs: {rows} logit rows but {} targets", targets.len());
         }
-        let out = match s1 {
-            CpuStorage::F32(_) => {
-                CpuStorage::F32(token_logprobs_cpu(contiguous_slice::<f32>(s1, l1, self.name())?, targets, vocab)?)
-            }
-            CpuStorage::F64(_) => {
-                CpuStorage::F64(token_logprobs_cpu(contiguous_slice::<f64>(s1, l1, self.name())?, targets, vocab)?)
-            }
-            other => candle_core::bail!("token-logprobs: unsupported dtype {:?}", other.dtype()),
-        };
+        let out = map_float_storage!(s1, self.name(), T =>
+            token_logprobs_cpu(contiguous_slice::<T>(s1, l1, self.name())?, targets, vocab)?);
         Ok((out, Shape::from(rows)))
     }
 
@@ -144,21 +137,12 @@ impl CustomOp3 for TokenLogProbsGrad {
     ) -> CResult<(CpuStorage, Shape)> {
         let (_, vocab) = l1.shape().dims2()?;
         let targets = contiguous_slice::<u32>(s2, l2, self.name())?;
-        let out = match s1 {
-            CpuStorage::F32(_) => CpuStorage::F32(token_logprobs_grad_cpu(
-                contiguous_slice::<f32>(s1, l1, self.name())?,
-                targets,
-                contiguous_slice::<f32>(s3, l3, self.name())?,
-                vocab,
-            )),
-            CpuStorage::F64(_) => CpuStorage::F64(token_logprobs_grad_cpu(
-                contiguous_slice::<f64>(s1, l1, self.name())?,
-                targets,
-                contiguous_slice::<f64>(s3, l3, self.name())?,
-                vocab,
-            )),
-            other => candle_core::bail!("token-logprobs-grad: unsupported dtype {:?}", other.dtype()),
-        };
+        let out = map_float_storage!(s1, self.name(), T => token_logprobs_grad_cpu::<T>(
+            contiguous_slice(s1, l1, self.name())?,
+            targets,
+            contiguous_slice(s3, l3, self.name())?,
+            vocab,
+        ));
         Ok((out, l1.shape().clone()))
     }
 }
