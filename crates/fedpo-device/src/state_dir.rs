@@ -17,7 +17,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor};
-use fedpo_model::io::{read_safetensors, write_atomic, write_safetensors};
+use fedpo_model::io::{read_safetensors, write_atomic, write_atomic_with, write_safetensors};
 use fedpo_wire::{Residual, TransferChunk, Update};
 use serde::{Deserialize, Serialize};
 
@@ -85,8 +85,10 @@ impl StateDir {
 
     pub(crate) fn save_last_update(&self, u: &SentUpdate) -> Result<(), ParticipantError> {
         let path = self.path("last_update.cbor");
-        let bytes = serde_cbor::to_vec(u).map_err(|e| io_err(&path, e))?;
-        write_atomic(&path, &bytes).map_err(|e| io_err(&path, e))
+        // Streamed: the update is the size of the model, and a second copy in memory would
+        // raise the device's peak by as much.
+        write_atomic_with(&path, |w| serde_cbor::to_writer(w, u).map_err(std::io::Error::other))
+            .map_err(|e| io_err(&path, e))
     }
 
     /// What compression still owes after round `last_round`, the last one recorded in

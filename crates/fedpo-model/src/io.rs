@@ -18,6 +18,12 @@ use crate::weights::TensorSource;
 
 /// Writes `bytes` to `path` atomically (temp file + fsync + rename).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    write_atomic_with(path, |w| w.write_all(bytes))
+}
+
+/// Writes what `write` produces to `path` atomically, through a buffer: for large values
+/// serialised straight to the file instead of into memory first.
+pub fn write_atomic_with(path: &Path, write: impl FnOnce(&mut dyn Write) -> std::io::Result<()>) -> Result<()> {
     let dir = match path.parent() {
         Some(p) if !p.as_os_str().is_empty() => p,
         _ => Path::new("."),
@@ -26,8 +32,9 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let file_name = path.file_name().and_then(|n| n.to_str()).unwrap_or("out");
     let tmp = dir.join(format!(".{file_name}.tmp-{}", std::process::id()));
     let result = (|| -> std::io::Result<()> {
-        let mut f = File::create(&tmp)?;
-        f.write_all(bytes)?;
+        let mut buffered = std::io::BufWriter::with_capacity(1 << 20, File::create(&tmp)?);
+        write(&mut buffered)?;
+        let f = buffered.into_inner().map_err(|e| e.into_error())?;
         f.sync_all()?;
         fs::rename(&tmp, path)?;
         // Make the rename itself durable.
@@ -109,6 +116,23 @@ mod tests {
         assert_eq!(fs::read(&path).unwrap(), b"second");
         let names: Vec<_> = fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
         assert_eq!(names.len(), 1, "stray files: {names:?}");
+    }
+
+    #[test]
+    fn a_streamed_write_that_fails_halfway_keeps_the_old_file_and_no_temporary() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("update.cbor");
+        write_atomic(&path, b"old").unwrap();
+        let err = write_atomic_with(&path, |w| {
+            w.write_all(&[7u8; 3 << 20])?; // past the buffer, so part of it reached the file
+            Err(std::io::Error::other("encoder failed"))
+        })
+        .unwrap_err();
+        assert!(err.to_string().contains("encoder failed"), "{err}");
+        assert_eq!(fs::read(&path).unwrap(), b"old");
+        assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 1, "the temporary file is removed");
+        write_atomic_with(&path, |w| w.write_all(b"new")).unwrap();
+        assert_eq!(fs::read(&path).unwrap(), b"new");
     }
 
     #[test]

@@ -252,7 +252,16 @@ impl TensorPayload {
 
     /// CBOR bytes of the payload.
     pub fn to_bytes(&self) -> Vec<u8> {
-        serde_cbor::to_vec(self).unwrap_or_default()
+        // Sized up front: grown by doubling, a 328 MB payload would be copied into a 656 MB
+        // buffer on its last byte. The bound covers CBOR's headers (at most 9 bytes each for
+        // the name, shape entries, dtype and data) with room to spare.
+        let bound =
+            16 + self.tensors.iter().map(|t| t.data.len() + t.name.len() + 9 * t.shape.len() + 64).sum::<usize>();
+        let mut out = Vec::with_capacity(bound);
+        match serde_cbor::to_writer(&mut out, self) {
+            Ok(()) => out,
+            Err(_) => Vec::new(),
+        }
     }
 
     /// Decodes and validates a payload. With `require_finite`, a NaN or infinity anywhere
