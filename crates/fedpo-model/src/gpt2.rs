@@ -272,7 +272,7 @@ impl Gpt2 {
         }
         let d = self.wte.dim(1)?;
         let ids = input_ids.flatten_all()?;
-        let tokens = if ops::TiedGradient::applies_to(&self.wte, &self.wte) {
+        let tokens = if ops::TiedGradient::routes(&self.wte) {
             self.tied.lookup(&self.wte, &ids)?
         } else {
             self.wte.index_select(&ids, 0)?
@@ -289,7 +289,7 @@ impl Gpt2 {
     /// Logits `[n, vocab]` for hidden states `[n, n_embd]`, in the master dtype: the
     /// log-softmax over the vocabulary that follows needs its precision.
     pub fn lm_head(&self, hidden: &Tensor) -> Result<Tensor> {
-        if ops::TiedGradient::applies_to(&self.wte, hidden) {
+        if ops::TiedGradient::routes(&self.wte) && hidden.dtype() == self.wte.dtype() {
             return Ok(self.tied.head(hidden, &self.wte)?);
         }
         let head = self.wte.t()?.to_dtype(hidden.dtype())?;

@@ -90,3 +90,22 @@ fn half_precision_over_f64_parameters_is_refused() {
     assert!(err.contains("f32 parameters"), "{err}");
     assert!(policy.set_compute_dtype(DType::F64).is_ok());
 }
+
+#[test]
+fn bf16_parameters_train_through_candles_ops_with_a_gradient_for_the_tied_embedding() {
+    // The fused embedding and head kernels are f32/f64 only; bf16 parameters take candle's ops.
+    let mut config = Gpt2Config::tiny();
+    config.n_positions = 64;
+    let spec = PolicySpec { config, lora: None, partition: Partition::new(PartitionPreset::Feddpo) };
+    let policy = Policy::build(spec, None, None, 0, DType::BF16, &Device::Cpu).unwrap();
+    let hidden = policy.model.hidden_states(&ids()).unwrap();
+    let rows = hidden.reshape((48, ())).unwrap();
+    let targets = Tensor::from_vec((0..48u32).map(|i| i * 101 % 50257).collect::<Vec<_>>(), 48, &Device::Cpu).unwrap();
+    let loss = policy.model.token_logprobs(&rows, &targets).unwrap().sum_all().unwrap();
+    let grads = policy.model.backward(&loss).unwrap();
+    let wte = policy.params.get("wte.weight").unwrap();
+    let g = grads.get(wte.tensor()).expect("the tied embedding has a gradient");
+    assert_eq!(g.dtype(), DType::BF16);
+    let norm = g.to_dtype(DType::F32).unwrap().sqr().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap();
+    assert!(norm > 0.0);
+}

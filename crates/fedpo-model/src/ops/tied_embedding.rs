@@ -56,10 +56,11 @@ impl TiedGradient {
         Ok(())
     }
 
-    /// Whether the ops can route the gradient here: on the CPU, in the embedding's own
-    /// dtype, and only for an embedding that trains.
-    pub fn applies_to(wte: &Tensor, activations: &Tensor) -> bool {
-        wte.device().is_cpu() && wte.is_variable() && activations.dtype() == wte.dtype()
+    /// Whether [`lookup`](Self::lookup) and [`head`](Self::head) can route `wte`'s
+    /// gradient here: an embedding that trains, on the CPU, in f32 or f64 (the in-place
+    /// kernels' dtypes). Off that path the model uses candle's own ops.
+    pub fn routes(wte: &Tensor) -> bool {
+        wte.device().is_cpu() && wte.is_variable() && super::full_precision(wte)
     }
 
     /// Rows `ids` of `wte`; the gradient goes to this buffer.
