@@ -9,10 +9,10 @@
 //! costs no weight-sized matmul in backward.
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor, WithDType};
+use candle_core::{CpuStorage, CustomOp1, CustomOp3, Layout, Shape, Tensor, WithDType};
 use rayon::prelude::*;
 
-use super::{contiguous_slice, CResult};
+use super::{contiguous_slice, full_precision, CResult};
 
 /// Adds `bias` (length `n`) to every row of `out` (`[m, n]`, row-major).
 fn add_bias_rows<T: WithDType>(out: &mut [T], bias: &[T]) {
@@ -26,6 +26,47 @@ fn add_bias_rows<T: WithDType>(out: &mut [T], bias: &[T]) {
             }
         }
     });
+}
+
+/// Sums of each column of `m` (`[rows, n]`, row-major): each task owns a band of columns
+/// and runs down the rows, so every read is a contiguous run and the sums stay in cache.
+fn column_sums_cpu<T: WithDType>(m: &[T], n: usize) -> Vec<T> {
+    const BAND: usize = 256;
+    let mut out = vec![T::zero(); n];
+    out.par_chunks_mut(BAND).enumerate().for_each(|(band, acc)| {
+        let (start, width) = (band * BAND, acc.len());
+        for row in m.chunks_exact(n) {
+            for (a, &v) in acc.iter_mut().zip(&row[start..start + width]) {
+                *a += v;
+            }
+        }
+    });
+    out
+}
+
+/// The bias gradient, `grad.sum(0)`: candle reduces over a leading dimension one strided
+/// element at a time, which took 3-4 % of the DistilGPT-2 step.
+struct ColumnSums;
+
+impl CustomOp1 for ColumnSums {
+    fn name(&self) -> &'static str {
+        "column-sums"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> CResult<(CpuStorage, Shape)> {
+        let (_, n) = l.shape().dims2()?;
+        let out =
+            map_float_storage!(s, self.name(), T => column_sums_cpu::<T>(contiguous_slice(s, l, self.name())?, n));
+        Ok((out, Shape::from(n)))
+    }
+}
+
+fn column_sums(m: &Tensor) -> CResult<Tensor> {
+    if m.device().is_cpu() && full_precision(m) && m.rank() == 2 {
+        m.contiguous()?.apply_op1_no_bwd(&ColumnSums)
+    } else {
+        m.sum(0)
+    }
 }
 
 struct LinearBias;
@@ -78,7 +119,7 @@ impl CustomOp3 for LinearBias {
         let (x, w, grad) = (x.detach(), w.detach(), grad.detach());
         let dx = want_dx.then(|| grad.matmul(&w.t()?)).transpose()?;
         let dw = want_dw.then(|| x.t()?.matmul(&grad)).transpose()?;
-        let db = want_db.then(|| grad.sum(0)).transpose()?;
+        let db = want_db.then(|| column_sums(&grad)).transpose()?;
         Ok((dx, dw, db))
     }
 }
@@ -153,6 +194,17 @@ mod tests {
             let err = max_abs_diff(&y.to_dtype(DType::F64).unwrap(), &exact) / scale;
             assert!(err < tol, "{dtype:?}: off by {err} of the largest output");
         }
+    }
+
+    #[test]
+    fn column_sums_match_candles_sum_over_rows_across_bands() {
+        let m = randn(&[37, 600], 41); // three bands of columns, the last one partial
+        let ours = column_sums(&m).unwrap();
+        assert_eq!(ours.dims(), [600]);
+        assert!(max_abs_diff(&ours, &m.sum(0).unwrap()) < 1e-12);
+        let m32 = m.to_dtype(DType::F32).unwrap();
+        let err = max_abs_diff(&column_sums(&m32).unwrap().to_dtype(DType::F64).unwrap(), &m.sum(0).unwrap());
+        assert!(err < 1e-4, "f32 sums off by {err}");
     }
 
     #[test]
