@@ -12,7 +12,7 @@ use std::sync::{Mutex, PoisonError};
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, Device, Layout, Shape, Tensor};
 
-use super::tied_embedding::{add_into, Slot};
+use super::tied_embedding::{head_backward, head_logits_cpu, Slot};
 use super::token_logprobs::{check_targets, logits_into_grad, token_logprobs_cpu, RowMath};
 use super::{contiguous_slice, CResult};
 
@@ -55,18 +55,13 @@ impl CustomOp3 for HeadLogProbs {
         st: &CpuStorage,
         lt: &Layout,
     ) -> CResult<(CpuStorage, Shape)> {
-        let (n, d) = lh.shape().dims2()?;
-        let (vocab, d2) = lw.shape().dims2()?;
+        let ((n, _), (vocab, _)) = (lh.shape().dims2()?, lw.shape().dims2()?);
         let targets = contiguous_slice::<u32>(st, lt, self.name())?;
-        if d != d2 || targets.len() != n {
-            candle_core::bail!(
-                "{}: {n} hidden rows of {d} against a [{vocab}, {d2}] embedding and {} targets",
-                self.name(),
-                targets.len()
-            );
+        if targets.len() != n {
+            candle_core::bail!("{}: {n} hidden rows but {} targets", self.name(), targets.len());
         }
         check_targets(targets, vocab)?;
-        let logits = sh.matmul(sw, (1, n, vocab, d), lh, &lw.transpose(0, 1)?)?;
+        let logits = head_logits_cpu(self.name(), sh, lh, sw, lw)?;
         let out = map_float_storage!(&logits, self.name(), T =>
             token_logprobs_cpu(logits.as_slice::<T>()?, targets, vocab)?);
         *self.logits.lock().unwrap_or_else(PoisonError::into_inner) = Some(logits);
@@ -91,13 +86,7 @@ impl CustomOp3 for HeadLogProbs {
             CpuStorage::F64(l) => grad_tensor(l, &ids, res, grad, vocab)?,
             other => candle_core::bail!("{}: unsupported dtype {:?}", self.name(), other.dtype()),
         };
-        let (want_dhidden, want_dwte) = (hidden.track_op(), wte.track_op());
-        let (hidden, wte) = (hidden.detach(), wte.detach());
-        if want_dwte {
-            add_into(&self.slot, dlogits.t()?.matmul(&hidden)?)?;
-        }
-        let dhidden = want_dhidden.then(|| dlogits.matmul(&wte)).transpose()?;
-        Ok((dhidden, None, None))
+        Ok((head_backward(&self.slot, hidden, wte, &dlogits)?, None, None))
     }
 }
 

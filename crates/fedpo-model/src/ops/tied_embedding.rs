@@ -139,13 +139,8 @@ impl CustomOp2 for Head {
     }
 
     fn cpu_fwd(&self, sh: &CpuStorage, lh: &Layout, sw: &CpuStorage, lw: &Layout) -> CResult<(CpuStorage, Shape)> {
-        let (n, d) = lh.shape().dims2()?;
-        let (vocab, d2) = lw.shape().dims2()?;
-        if d != d2 {
-            candle_core::bail!("{}: hidden size {d} does not match the embedding's {d2}", self.name());
-        }
-        let out = sh.matmul(sw, (1, n, vocab, d), lh, &lw.transpose(0, 1)?)?;
-        Ok((out, Shape::from((n, vocab))))
+        let logits = head_logits_cpu(self.name(), sh, lh, sw, lw)?;
+        Ok((logits, Shape::from((lh.dims()[0], lw.dims()[0]))))
     }
 
     fn bwd(
@@ -155,14 +150,37 @@ impl CustomOp2 for Head {
         _res: &Tensor,
         grad: &Tensor,
     ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
-        // Detached operands: a gradient built from tracked tensors records an op that holds
-        // `grad` (the logits' gradient, 103 MB at DistilGPT-2's step) alive.
-        let want_dhidden = hidden.track_op();
-        let (hidden, wte, grad) = (hidden.detach(), wte.detach(), grad.detach());
-        add_into(&self.slot, grad.t()?.matmul(&hidden)?)?;
-        let dhidden = want_dhidden.then(|| grad.matmul(&wte)).transpose()?;
-        Ok((dhidden, None))
+        Ok((head_backward(&self.slot, hidden, wte, &grad.detach())?, None))
     }
+}
+
+/// `hidden @ wte^T` on the CPU, for `hidden: [n, d]` and `wte: [vocab, d]`.
+pub(super) fn head_logits_cpu(
+    op: &str,
+    sh: &CpuStorage,
+    lh: &Layout,
+    sw: &CpuStorage,
+    lw: &Layout,
+) -> CResult<CpuStorage> {
+    let (n, d) = lh.shape().dims2()?;
+    let (vocab, d2) = lw.shape().dims2()?;
+    if d != d2 {
+        candle_core::bail!("{op}: hidden size {d} does not match the embedding's {d2}");
+    }
+    sh.matmul(sw, (1, n, vocab, d), lh, &lw.transpose(0, 1)?)
+}
+
+/// The head's backward from the logits' gradient: `wte`'s part goes to the buffer (if it
+/// trains), `hidden`'s is returned (if it tracks). The operands are detached: a gradient
+/// built from tracked tensors records an op that holds `dlogits` (103 MB at DistilGPT-2's
+/// step) alive.
+pub(super) fn head_backward(slot: &Slot, hidden: &Tensor, wte: &Tensor, dlogits: &Tensor) -> CResult<Option<Tensor>> {
+    let (want_dhidden, want_dwte) = (hidden.track_op(), wte.track_op());
+    let (hidden, wte) = (hidden.detach(), wte.detach());
+    if want_dwte {
+        add_into(slot, dlogits.t()?.matmul(&hidden)?)?;
+    }
+    want_dhidden.then(|| dlogits.matmul(&wte)).transpose()
 }
 
 fn add_slices<T: WithDType>(acc: &mut [T], src: &[T]) {
