@@ -66,9 +66,12 @@ impl WeightedSum {
         let factor = weight * scale;
         for t in &update.tensors {
             if let Some(sum) = self.sums.get_mut(t.name()) {
-                for (s, v) in sum.iter_mut().zip(t.values()) {
-                    *s += factor * f64::from(v);
-                }
+                let mut sums = sum.iter_mut();
+                t.for_each_value(|v| {
+                    if let Some(s) = sums.next() {
+                        *s += factor * f64::from(v);
+                    }
+                });
             }
         }
         self.weight += weight;

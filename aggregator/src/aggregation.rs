@@ -117,13 +117,7 @@ impl RoundUpdates {
         }
         let scale = match self.clip_norm {
             Some(c) => {
-                let norm = update
-                    .tensors
-                    .iter()
-                    .flat_map(|t| t.values())
-                    .map(|v| f64::from(v) * f64::from(v))
-                    .sum::<f64>()
-                    .sqrt();
+                let norm = update.tensors.iter().map(|t| t.sum_of_squares()).sum::<f64>().sqrt();
                 if norm > c {
                     self.clipped += 1;
                     c / norm

@@ -8,10 +8,10 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
-use candle_core::{Device, Tensor};
-use fedpo_model::io::{read_safetensors, write_safetensors};
+use candle_core::Device;
+use fedpo_model::io::{read_safetensors, write_safetensors_views};
 use fedpo_model::{ParamRole, Policy, PolicySpec};
-use fedpo_wire::{sha256, split_payload, Manifest, TensorPayload, ToWire, TransferChunk, WireDType};
+use fedpo_wire::{EncodedPayload, TensorPayload, ToWire, WireDType, DEFAULT_CHUNK_BYTES};
 
 /// One tensor of the global model (also the shape of server-side vectors such as
 /// SCAFFOLD's control variate).
@@ -33,6 +33,29 @@ impl ToWire for GlobalTensor {
     }
     fn wire_values(&self) -> &[f32] {
         &self.values
+    }
+}
+
+/// A tensor's values as safetensors reads them, without a copy on little-endian targets:
+/// a checkpoint is written every round and is the size of the model.
+struct F32View<'a>(&'a GlobalTensor);
+
+impl safetensors::View for F32View<'_> {
+    fn dtype(&self) -> safetensors::Dtype {
+        safetensors::Dtype::F32
+    }
+    fn shape(&self) -> &[usize] {
+        &self.0.shape
+    }
+    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        if cfg!(target_endian = "little") {
+            std::borrow::Cow::Borrowed(bytemuck::cast_slice(&self.0.values))
+        } else {
+            std::borrow::Cow::Owned(self.0.values.iter().flat_map(|v| v.to_le_bytes()).collect())
+        }
+    }
+    fn data_len(&self) -> usize {
+        self.0.values.len() * std::mem::size_of::<f32>()
     }
 }
 
@@ -82,23 +105,18 @@ impl GlobalModel {
         TensorPayload::encode(&self.tensors, WireDType::F32)
     }
 
-    /// The manifest and chunks of this model for `round`, and the payload's SHA-256.
-    pub(crate) fn transfer(&self, round: u64, chunk_bytes: usize) -> (Manifest, Vec<TransferChunk>) {
-        split_payload(&format!("r{round}/global"), &self.payload(), chunk_bytes)
+    /// The wire bytes devices receive, in chunks, with their SHA-256.
+    pub(crate) fn encode(&self) -> EncodedPayload {
+        EncodedPayload::new(&self.payload(), DEFAULT_CHUNK_BYTES)
     }
 
     /// SHA-256 (hex) of the wire payload: what devices verify.
     pub(crate) fn sha256_hex(&self) -> String {
-        hex::encode(sha256(&self.payload().to_bytes()))
+        hex::encode(self.encode().sha256())
     }
 
     /// Saves as safetensors (atomic), shared tensors marked in the metadata.
     pub(crate) fn save(&self, path: &Path) -> Result<()> {
-        let tensors = self
-            .tensors
-            .iter()
-            .map(|t| Ok((t.name.clone(), Tensor::from_slice(&t.values, t.shape.as_slice(), &Device::Cpu)?)))
-            .collect::<Result<Vec<_>>>()?;
         let shared: Vec<&str> = self.shared().map(|t| t.name.as_str()).collect();
         let metadata = HashMap::from([
             ("format".to_string(), "fedpo-global/1".to_string()),
@@ -107,7 +125,8 @@ impl GlobalModel {
             // Payload order decides the SHA-256 devices verify; keep it across a resume.
             ("order".to_string(), self.tensors.iter().map(|t| t.name.as_str()).collect::<Vec<_>>().join(",")),
         ]);
-        write_safetensors(path, &tensors, metadata).with_context(|| format!("saving {}", path.display()))
+        let views = self.tensors.iter().map(|t| (t.name.as_str(), F32View(t)));
+        write_safetensors_views(path, views, metadata).with_context(|| format!("saving {}", path.display()))
     }
 
     /// Loads what [`GlobalModel::save`] wrote.

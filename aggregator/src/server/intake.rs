@@ -8,6 +8,9 @@ use fedpo_wire::{keys, Bundle, BundleBytes, BundleProgress, TensorPayload, Trans
 use super::{OpenRound, Server};
 use crate::accumulator::WeightedSum;
 
+/// Updates in flight whose chunks wait in memory; later ones are spooled to files.
+pub(super) const UPDATES_IN_MEMORY: usize = 2;
+
 impl Server {
     pub(super) fn start_update(&mut self, open: &mut OpenRound, device: &str, u: Update) {
         let refuse = |why: String| tracing::warn!(%device, round = u.round, "update refused: {why}");
@@ -48,7 +51,15 @@ impl Server {
                 self.client_term.kind.name()
             ));
         }
-        match Bundle::spooled(u.update.clone(), &u.sections, &self.limits, &self.out.join("spool")) {
+        // The first updates in flight wait in memory, the rest in spool files: a small fleet
+        // is spared writing and reading back every update, and memory stays O(model).
+        let in_memory = open.transfers.values().filter(|(_, b)| b.in_memory()).count();
+        let bundle = if in_memory < UPDATES_IN_MEMORY {
+            Bundle::new(u.update.clone(), &u.sections, &self.limits)
+        } else {
+            Bundle::spooled(u.update.clone(), &u.sections, &self.limits, &self.out.join("spool"))
+        };
+        match bundle {
             Ok(b) => {
                 open.transfers.insert(device.to_string(), (u, b));
             }
@@ -138,8 +149,7 @@ impl Server {
             bail!("an empty update in a training round")
         }
         if let Some(max) = self.job.max_update_norm {
-            let norm =
-                delta.tensors.iter().flat_map(|t| t.values()).map(|v| f64::from(v) * f64::from(v)).sum::<f64>().sqrt();
+            let norm = delta.tensors.iter().map(|t| t.sum_of_squares()).sum::<f64>().sqrt();
             if norm > max {
                 bail!("update norm {norm:.6} exceeds --max-update-norm {max}");
             }

@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use fedpo_transport::{LinkEvent, MqttLink, Topics};
 use fedpo_wire::{
-    keys, split_payload, Bundle, Hyperparameters, Limits, Message, PlanSigner, RoundPlan, RoundResult, TransferChunk,
-    Update, UpdateMetrics, DEFAULT_CHUNK_BYTES,
+    keys, split_payload, Bundle, EncodedPayload, Hyperparameters, Limits, Message, PlanSigner, RoundPlan, RoundResult,
+    TransferChunk, Update, UpdateMetrics, DEFAULT_CHUNK_BYTES,
 };
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -59,6 +59,10 @@ pub(crate) struct Server {
     identities: Identities,
     /// The plan's `sender_epoch`: random per process, bumped on every broker connection.
     epoch: u64,
+    /// The global model's wire encoding, made when a round changed the model: closing the
+    /// round needs its hash and the next round its chunks, and each encoding is a pass
+    /// over the whole model. `None` when it must be made afresh.
+    encoded_global: Option<EncodedPayload>,
 }
 
 /// A round being collected.
@@ -189,6 +193,7 @@ impl Server {
             metrics,
             limits: Limits::default(),
             started: Instant::now(),
+            encoded_global: None,
         })
     }
 
@@ -287,7 +292,8 @@ impl Server {
         let started = Instant::now();
         let population = self.online().len();
         let selected = self.select(round, evaluation);
-        let (manifest, mut chunks) = self.global.transfer(round, DEFAULT_CHUNK_BYTES);
+        let encoded = self.encoded_global.take().unwrap_or_else(|| self.global.encode());
+        let (manifest, mut chunks) = encoded.into_transfer(&format!("r{round}/global"));
         let mut strategy = self.strategy.configure_round(round);
         let mut sections = BTreeMap::new();
         if !evaluation {
@@ -468,7 +474,9 @@ impl Server {
                 }
             }
             self.state.round = open.round;
-            self.state.global_sha256 = self.global.sha256_hex();
+            let encoded = self.global.encode();
+            self.state.global_sha256 = hex::encode(encoded.sha256());
+            self.encoded_global = Some(encoded);
             self.state.strategy_state = self.strategy.state()?;
             self.state.client_term_state = self.client_term.state()?;
             self.checkpoints.save(&self.global, &self.state)?;

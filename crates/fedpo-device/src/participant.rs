@@ -330,7 +330,8 @@ impl Participant {
                         match self.state.last_update() {
                             Some(sent) if sent.update.round == plan.round && sent.global_sha256 == sha => {
                                 tracing::info!(round = plan.round, "resending this round's update");
-                                self.publish_update(&sent)?;
+                                let topic = self.topics.up(&self.cfg.id);
+                                self.summary.bytes_up += publish_update(&self.link, &topic, &sent)?;
                                 self.sent_under = Some((plan.round, plan.sender_epoch, self.connection));
                             }
                             _ => tracing::warn!(round = plan.round, "plan for a round already trained; ignoring"),
@@ -460,6 +461,13 @@ impl Participant {
 
     /// Splits an update and its sections into chunks, saves it for resending, records the
     /// round as done (with the error-feedback residual it leaves, if any) and publishes it.
+    ///
+    /// Without error feedback the update goes out while its resend copy is written and
+    /// synced: the aggregator needs only the chunks, and the copy (the size of the model)
+    /// took as long as the upload itself. A crash before the round is recorded then costs a
+    /// retrained round, whose second update the aggregator ignores if the first one arrived
+    /// whole. With error feedback the residual must match the update that was counted, so
+    /// everything is durable before anything is sent.
     #[allow(clippy::too_many_arguments)]
     fn send_update(
         &mut self,
@@ -473,12 +481,14 @@ impl Participant {
     ) -> Result<(), ParticipantError> {
         let transfer = format!("r{round}/{}", self.cfg.id);
         let (manifest, mut chunks) = split_payload(&transfer, &payload, DEFAULT_CHUNK_BYTES);
+        drop(payload);
         let mut manifests = std::collections::BTreeMap::new();
         for (name, payload) in &sections {
             let (m, c) = split_payload(&format!("{transfer}/{name}"), payload, DEFAULT_CHUNK_BYTES);
             manifests.insert(name.clone(), m);
             chunks.extend(c);
         }
+        drop(sections);
         let update = Update {
             round,
             device: self.cfg.id.clone(),
@@ -488,28 +498,48 @@ impl Participant {
             sections: manifests,
         };
         let sent = SentUpdate { global_sha256, update, chunks };
-        self.state.save_last_update(&sent)?;
-        if let Some(residual) = &residual {
-            self.state.stage_residual(round, residual)?;
-        }
         progress.last_round = round;
-        self.state.save_progress(&progress)?;
-        if residual.is_some() {
-            self.state.commit_residual()?;
-        }
-        self.publish_update(&sent)?;
+        let state = &self.state;
+        let record = || -> Result<(), ParticipantError> {
+            state.save_last_update(&sent)?;
+            if let Some(residual) = &residual {
+                state.stage_residual(round, residual)?;
+            }
+            state.save_progress(&progress)?;
+            if residual.is_some() {
+                state.commit_residual()?;
+            }
+            Ok(())
+        };
+        let (sent_bytes, recorded) = if residual.is_some() {
+            record()?;
+            (publish_update(&self.link, &self.topics.up(&self.cfg.id), &sent)?, Ok(()))
+        } else {
+            std::thread::scope(|scope| {
+                let recording = scope.spawn(record);
+                let published = publish_update(&self.link, &self.topics.up(&self.cfg.id), &sent);
+                let recorded = recording.join().unwrap_or_else(|_| {
+                    Err(ParticipantError::State("saving the update for resending panicked".into()))
+                });
+                published.map(|bytes| (bytes, recorded))
+            })?
+        };
+        self.summary.bytes_up += sent_bytes;
         self.sent_under = Some((round, self.plan_epoch, self.connection));
+        recorded?;
         self.summary.rounds.push(round);
         tracing::info!(round, "update sent");
         Ok(())
     }
+}
 
-    fn publish_update(&mut self, sent: &SentUpdate) -> Result<(), ParticipantError> {
-        self.send(&Message::Update(sent.update.clone()))?;
-        for c in &sent.chunks {
-            self.summary.bytes_up += c.bytes.len() as u64;
-            self.send(&Message::Chunk(c.clone()))?;
-        }
-        Ok(())
+/// Publishes an update's announcement and chunks; returns the chunk bytes sent.
+fn publish_update(link: &MqttLink, topic: &str, sent: &SentUpdate) -> Result<u64, ParticipantError> {
+    link.publish(topic, Message::Update(sent.update.clone()).encode())?;
+    let mut bytes = 0;
+    for c in &sent.chunks {
+        bytes += c.bytes.len() as u64;
+        link.publish(topic, Message::encode_chunk(c))?;
     }
+    Ok(bytes)
 }

@@ -11,13 +11,14 @@
 //!   the round is recorded in `progress.json`, so a crash in between can neither drop
 //!   what was owed nor count it twice.
 //!
-//! Every file is written atomically (temp file, fsync, rename).
+//! Every file is written atomically (temp file, fsync, rename), but `last_update.cbor`,
+//! which `progress.json` vouches for (see [`StateDir::save_last_update`]).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor};
-use fedpo_model::io::{read_safetensors, write_atomic, write_atomic_with, write_safetensors};
+use fedpo_model::io::{read_safetensors, rewrite_in_place_with, write_atomic, write_safetensors};
 use fedpo_wire::{Residual, TransferChunk, Update};
 use serde::{Deserialize, Serialize};
 
@@ -83,11 +84,14 @@ impl StateDir {
         serde_cbor::from_slice(&bytes).ok()
     }
 
+    /// Saves the update for resending. Streamed, since the update is the size of the model
+    /// and a second copy in memory would raise the device's peak by as much; and rewritten
+    /// in place, since it is rewritten every round. That is safe because it is read only
+    /// for the round `progress.json` records as sent, which is saved after this returns: a
+    /// crash mid-write leaves the progress at an earlier round, which is then trained again.
     pub(crate) fn save_last_update(&self, u: &SentUpdate) -> Result<(), ParticipantError> {
         let path = self.path("last_update.cbor");
-        // Streamed: the update is the size of the model, and a second copy in memory would
-        // raise the device's peak by as much.
-        write_atomic_with(&path, |w| serde_cbor::to_writer(w, u).map_err(std::io::Error::other))
+        rewrite_in_place_with(&path, |w| serde_cbor::to_writer(w, u).map_err(std::io::Error::other))
             .map_err(|e| io_err(&path, e))
     }
 

@@ -24,27 +24,75 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
 /// Writes what `write` produces to `path` atomically, through a buffer: for large values
 /// serialised straight to the file instead of into memory first.
 pub fn write_atomic_with(path: &Path, write: impl FnOnce(&mut dyn Write) -> std::io::Result<()>) -> Result<()> {
-    let dir = match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p,
-        _ => Path::new("."),
-    };
-    fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
-    let file_name = path.file_name().and_then(|n| n.to_str()).unwrap_or("out");
-    let tmp = dir.join(format!(".{file_name}.tmp-{}", std::process::id()));
+    let tmp = temporary_beside(path)?;
     let result = (|| -> std::io::Result<()> {
         let mut buffered = std::io::BufWriter::with_capacity(1 << 20, File::create(&tmp)?);
         write(&mut buffered)?;
-        let f = buffered.into_inner().map_err(|e| e.into_error())?;
-        f.sync_all()?;
-        fs::rename(&tmp, path)?;
-        // Make the rename itself durable.
-        if let Ok(d) = File::open(dir) {
-            let _ = d.sync_all();
-        }
+        buffered.into_inner().map_err(|e| e.into_error())?.sync_all()?;
         Ok(())
     })();
+    commit_temporary(&tmp, path, result)
+}
+
+/// Rewrites `path` in place with what `write` produces, synced, truncated to what was
+/// written. Not atomic: a crash leaves a torn file. For files that a separate atomic record
+/// (written after this returns) declares complete, and that are rewritten often: the
+/// file's cached pages are reused rather than a fresh set allocated for a temporary, which
+/// for a model-sized file every round is most of the cost of writing it.
+pub fn rewrite_in_place_with(path: &Path, write: impl FnOnce(&mut dyn Write) -> std::io::Result<()>) -> Result<()> {
+    let result = (|| -> std::io::Result<()> {
+        let file = fs::OpenOptions::new().write(true).create(true).truncate(false).open(path)?;
+        let mut counted = CountingWriter { inner: std::io::BufWriter::with_capacity(1 << 20, file), written: 0 };
+        write(&mut counted)?;
+        let file = counted.inner.into_inner().map_err(|e| e.into_error())?;
+        file.set_len(counted.written)?;
+        file.sync_all()
+    })();
+    result.map_err(|e| ModelError::io(path, e))
+}
+
+/// Counts the bytes that pass through, so [`rewrite_in_place_with`] can cut off what is
+/// left of a longer previous content.
+struct CountingWriter<W> {
+    inner: W,
+    written: u64,
+}
+
+impl<W: Write> Write for CountingWriter<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.written += n as u64;
+        Ok(n)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+/// Where [`write_atomic_with`] and [`write_safetensors`] write before the rename: a hidden
+/// name in `path`'s directory (created if missing), so the rename stays on one file system.
+fn temporary_beside(path: &Path) -> Result<std::path::PathBuf> {
+    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
+    let file_name = path.file_name().and_then(|n| n.to_str()).unwrap_or("out");
+    Ok(dir.join(format!(".{file_name}.tmp-{}", std::process::id())))
+}
+
+/// Renames a written and synced temporary over `path` and syncs the directory, or removes
+/// the temporary if writing it failed.
+fn commit_temporary(tmp: &Path, path: &Path, written: std::io::Result<()>) -> Result<()> {
+    let result = written.and_then(|()| {
+        fs::rename(tmp, path)?;
+        // Make the rename itself durable.
+        if let Some(dir) = tmp.parent() {
+            if let Ok(d) = File::open(dir) {
+                let _ = d.sync_all();
+            }
+        }
+        Ok(())
+    });
     if result.is_err() {
-        let _ = fs::remove_file(&tmp);
+        let _ = fs::remove_file(tmp);
     }
     result.map_err(|e| ModelError::io(path, e))
 }
@@ -76,9 +124,26 @@ pub fn read_safetensors(path: &Path, device: &Device) -> Result<SafetensorsFile>
 pub fn write_safetensors(path: &Path, tensors: &[(String, Tensor)], metadata: HashMap<String, String>) -> Result<()> {
     let contiguous =
         tensors.iter().map(|(n, t)| Ok((n.clone(), t.contiguous()?))).collect::<Result<Vec<(String, Tensor)>>>()?;
-    let bytes = safetensors::serialize(contiguous.iter().map(|(n, t)| (n.as_str(), t)), Some(metadata))
-        .map_err(|e| ModelError::Safetensors { path: path.to_path_buf(), reason: e.to_string() })?;
-    write_atomic(path, &bytes)
+    write_safetensors_views(path, contiguous, metadata)
+}
+
+/// Writes tensors given as safetensors views to `path`, atomically and durably, streamed
+/// from the views to the file: a DistilGPT-2 checkpoint is 328 MB, and the file is never
+/// whole in memory on the way.
+pub fn write_safetensors_views<S, V>(
+    path: &Path,
+    tensors: impl IntoIterator<Item = (S, V)>,
+    metadata: HashMap<String, String>,
+) -> Result<()>
+where
+    S: AsRef<str> + Ord + std::fmt::Display,
+    V: safetensors::View,
+{
+    let tmp = temporary_beside(path)?;
+    let written = safetensors::serialize_to_file(tensors, Some(metadata), &tmp)
+        .map_err(std::io::Error::other)
+        .and_then(|()| File::open(&tmp)?.sync_all());
+    commit_temporary(&tmp, path, written)
 }
 
 /// SHA-256 over names, shapes and f32 little-endian values, in name order.
@@ -136,6 +201,17 @@ mod tests {
     }
 
     #[test]
+    fn a_file_rewritten_in_place_holds_only_the_new_content() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("last_update.cbor");
+        rewrite_in_place_with(&path, |w| w.write_all(&[9u8; 3 << 20])).unwrap();
+        rewrite_in_place_with(&path, |w| w.write_all(b"shorter")).unwrap();
+        assert_eq!(fs::read(&path).unwrap(), b"shorter", "what is left of the longer file is cut off");
+        let err = rewrite_in_place_with(&dir.path().join("missing/x"), |w| w.write_all(b"x")).unwrap_err();
+        assert!(err.to_string().contains("missing/x"), "{err}");
+    }
+
+    #[test]
     fn safetensors_round_trip_keeps_values_and_metadata() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("t.safetensors");
@@ -146,6 +222,37 @@ mod tests {
         assert_eq!(back.metadata["rank"], "8");
         let a = back.tensors.tensors["a.weight"].to_vec2::<f32>().unwrap();
         assert_eq!(a, vec![vec![1.0, 3.0], vec![2.0, 4.0]]);
+    }
+
+    /// A view whose bytes disagree with its shape: safetensors refuses it mid-write.
+    struct Mismatched;
+    impl safetensors::View for Mismatched {
+        fn dtype(&self) -> safetensors::Dtype {
+            safetensors::Dtype::F32
+        }
+        fn shape(&self) -> &[usize] {
+            &[3]
+        }
+        fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+            std::borrow::Cow::Borrowed(&[0u8; 4])
+        }
+        fn data_len(&self) -> usize {
+            4
+        }
+    }
+
+    #[test]
+    fn a_refused_safetensors_write_keeps_the_old_file_and_leaves_no_temporary() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("global.safetensors");
+        let t = Tensor::new(&[5.0f32, 6.0], &Device::Cpu).unwrap();
+        write_safetensors(&path, &[("w".into(), t)], HashMap::new()).unwrap();
+        let before = fs::read(&path).unwrap();
+        let err = write_safetensors_views(&path, [("w", Mismatched)], HashMap::new()).unwrap_err();
+        assert!(err.to_string().contains("global.safetensors"), "{err}");
+        assert_eq!(fs::read(&path).unwrap(), before);
+        let names: Vec<_> = fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(names.len(), 1, "stray files: {names:?}");
     }
 
     #[test]

@@ -99,6 +99,11 @@ impl Bundle {
         self.main.manifest()
     }
 
+    /// Whether the chunks wait in memory ([`Bundle::new`]) rather than in spool files.
+    pub fn in_memory(&self) -> bool {
+        self.main.in_memory()
+    }
+
     /// Routes a chunk to its transfer. A transfer whose bytes fail their hash starts over
     /// and reports the error; the others keep what they have.
     pub fn accept(&mut self, chunk: TransferChunk) -> Result<BundleProgress> {

@@ -9,9 +9,10 @@ use std::path::Path;
 
 use sha2::{Digest, Sha256};
 
+use crate::encoded::EncodedPayload;
 use crate::error::{Result, WireError};
 use crate::limits::Limits;
-use crate::message::{Manifest, TensorInfo, TransferChunk};
+use crate::message::{Manifest, TransferChunk};
 use crate::parts::Parts;
 use crate::tensor::TensorPayload;
 
@@ -22,28 +23,7 @@ pub fn sha256(bytes: &[u8]) -> Vec<u8> {
 
 /// The manifest and chunks of a payload.
 pub fn split_payload(transfer: &str, payload: &TensorPayload, chunk_bytes: usize) -> (Manifest, Vec<TransferChunk>) {
-    let bytes = payload.to_bytes();
-    let chunk_bytes = chunk_bytes.max(1);
-    let count = bytes.len().div_ceil(chunk_bytes).max(1) as u32;
-    let chunks = (0..count)
-        .map(|i| {
-            let start = i as usize * chunk_bytes;
-            let end = (start + chunk_bytes).min(bytes.len());
-            TransferChunk { transfer: transfer.to_string(), index: i, count, bytes: bytes[start..end].to_vec() }
-        })
-        .collect();
-    let manifest = Manifest {
-        transfer: transfer.to_string(),
-        bytes: bytes.len() as u64,
-        chunks: count,
-        sha256: sha256(&bytes),
-        tensors: payload
-            .tensors
-            .iter()
-            .map(|t| TensorInfo { name: t.name().to_string(), dtype: t.dtype(), shape: t.shape().to_vec() })
-            .collect(),
-    };
-    (manifest, chunks)
+    EncodedPayload::new(payload, chunk_bytes).into_transfer(transfer)
 }
 
 /// What accepting a chunk did.
@@ -67,6 +47,10 @@ pub struct Reassembler {
     received: u32,
     bytes_so_far: u64,
     done: bool,
+    /// SHA-256 of the chunks so far while they arrive in order (as one MQTT connection
+    /// delivers them), so the last chunk needs no pass over the whole transfer; `None`
+    /// once one came out of order, and the hash is then taken at the end.
+    in_order: Option<(Sha256, u32)>,
 }
 
 impl Reassembler {
@@ -74,7 +58,7 @@ impl Reassembler {
     pub fn new(manifest: Manifest, limits: &Limits) -> Result<Self> {
         manifest.validate(limits)?;
         let parts = Parts::memory(manifest.chunks as usize);
-        Ok(Self { manifest, parts, received: 0, bytes_so_far: 0, done: false })
+        Ok(Self::with_parts(manifest, parts))
     }
 
     /// Like [`Reassembler::new`], but the chunks wait in a file under `dir` (removed when
@@ -83,12 +67,21 @@ impl Reassembler {
         manifest.validate(limits)?;
         let name = format!("{}.part", hex::encode(&sha256(manifest.transfer.as_bytes())[..12]));
         let parts = Parts::spool(dir.join(name), manifest.chunks as usize)?;
-        Ok(Self { manifest, parts, received: 0, bytes_so_far: 0, done: false })
+        Ok(Self::with_parts(manifest, parts))
+    }
+
+    fn with_parts(manifest: Manifest, parts: Parts) -> Self {
+        Self { manifest, parts, received: 0, bytes_so_far: 0, done: false, in_order: Some((Sha256::new(), 0)) }
     }
 
     /// The manifest being assembled.
     pub fn manifest(&self) -> &Manifest {
         &self.manifest
+    }
+
+    /// Whether the chunks wait in memory rather than in a spool file.
+    pub fn in_memory(&self) -> bool {
+        matches!(self.parts, Parts::Memory(_))
     }
 
     /// Accepts one chunk.
@@ -110,6 +103,13 @@ impl Reassembler {
         if new_total > self.manifest.bytes {
             return Err(WireError::TransferTooLarge { size: new_total, max: self.manifest.bytes });
         }
+        self.in_order = match self.in_order.take() {
+            Some((mut hasher, next)) if next == chunk.index => {
+                hasher.update(&chunk.bytes);
+                Some((hasher, next + 1))
+            }
+            _ => None,
+        };
         self.parts.put(chunk.index as usize, chunk.bytes)?;
         self.bytes_so_far = new_total;
         self.received += 1;
@@ -117,12 +117,16 @@ impl Reassembler {
             return Ok(Progress::Accepted { received: self.received });
         }
         let bytes = self.parts.take_all(self.manifest.bytes as usize)?;
-        let found = sha256(&bytes);
+        let found = match self.in_order.take() {
+            Some((hasher, _)) => hasher.finalize().to_vec(),
+            None => sha256(&bytes),
+        };
         if found != self.manifest.sha256 || bytes.len() as u64 != self.manifest.bytes {
             // Start over: a corrupted chunk means the transfer must be sent again.
             self.parts.clear()?;
             self.received = 0;
             self.bytes_so_far = 0;
+            self.in_order = Some((Sha256::new(), 0));
             return Err(WireError::HashMismatch {
                 transfer: self.manifest.transfer.clone(),
                 expected: hex::encode(&self.manifest.sha256),

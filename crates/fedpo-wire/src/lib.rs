@@ -10,6 +10,7 @@
 mod bundle;
 mod chunk;
 mod codec;
+mod encoded;
 mod error;
 pub mod keys;
 mod limits;
@@ -22,6 +23,7 @@ mod tensor;
 pub use bundle::{check_sections, Bundle, BundleBytes, BundleProgress, MAX_SECTIONS};
 pub use chunk::{sha256, split_payload, Progress, Reassembler};
 pub use codec::{Residual, UpdateCodec, INT8_BLOCK};
+pub use encoded::EncodedPayload;
 pub use error::{Result, WireError};
 pub use limits::{Limits, DEFAULT_CHUNK_BYTES};
 pub use message::{

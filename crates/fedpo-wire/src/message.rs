@@ -215,10 +215,25 @@ pub enum Message {
     SecAgg(crate::secure::SecAggMessage),
 }
 
-#[derive(Serialize, Deserialize)]
+/// What a message decodes from; its `version` was checked first, on its own.
+#[derive(Deserialize)]
 struct Envelope {
-    version: u16,
     message: Message,
+}
+
+/// [`Envelope`] as it is written: borrowed, so encoding copies nothing but into the output.
+#[derive(Serialize)]
+struct EnvelopeRef<'a, M> {
+    version: u16,
+    message: &'a M,
+}
+
+/// The chunk variant of [`Message`], borrowed: it serialises byte for byte as
+/// `Message::Chunk`, without first cloning the chunk's bytes into a message.
+#[derive(Serialize)]
+#[serde(rename = "Message", rename_all = "snake_case")]
+enum ChunkRef<'a> {
+    Chunk(&'a TransferChunk),
 }
 
 pub(crate) fn check_name(field: &'static str, s: &str, limits: &Limits) -> Result<()> {
@@ -281,7 +296,14 @@ impl Manifest {
 impl Message {
     /// Encodes the message in a versioned envelope.
     pub fn encode(&self) -> Vec<u8> {
-        serde_cbor::to_vec(&Envelope { version: PROTOCOL_VERSION, message: self.clone() }).unwrap_or_default()
+        serde_cbor::to_vec(&EnvelopeRef { version: PROTOCOL_VERSION, message: self }).unwrap_or_default()
+    }
+
+    /// Encodes `Message::Chunk(chunk)` without copying the chunk first: a model or an
+    /// update is hundreds of chunks, and each copy of them is a pass over the whole model.
+    pub fn encode_chunk(chunk: &TransferChunk) -> Vec<u8> {
+        serde_cbor::to_vec(&EnvelopeRef { version: PROTOCOL_VERSION, message: &ChunkRef::Chunk(chunk) })
+            .unwrap_or_default()
     }
 
     /// Decodes untrusted bytes: the size is checked before parsing, the version and every

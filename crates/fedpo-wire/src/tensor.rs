@@ -196,6 +196,27 @@ impl WireTensor {
         self.len() == 0
     }
 
+    /// Calls `f` with every value in order. The dense encodings are decoded on the way,
+    /// without a buffer: an aggregator folds model-sized updates one after another, and
+    /// [`WireTensor::values`] would allocate each one afresh.
+    pub fn for_each_value(&self, mut f: impl FnMut(f32)) {
+        match self.dtype {
+            WireDType::F32 => {
+                self.data.chunks_exact(4).for_each(|b| f(f32::from_le_bytes([b[0], b[1], b[2], b[3]])));
+            }
+            WireDType::Bf16 => self.data.chunks_exact(2).for_each(|b| f(bf16::from_le_bytes([b[0], b[1]]).to_f32())),
+            WireDType::F16 => self.data.chunks_exact(2).for_each(|b| f(f16::from_le_bytes([b[0], b[1]]).to_f32())),
+            WireDType::U32 | WireDType::Int8 | WireDType::Sparse => self.values().into_iter().for_each(f),
+        }
+    }
+
+    /// Σ v² over the values, in f64.
+    pub fn sum_of_squares(&self) -> f64 {
+        let mut sum = 0.0;
+        self.for_each_value(|v| sum += f64::from(v) * f64::from(v));
+        sum
+    }
+
     /// The values as f32.
     pub fn values(&self) -> Vec<f32> {
         match self.dtype {
@@ -301,6 +322,40 @@ mod tests {
             for (a, b) in t.values().iter().zip(&values) {
                 assert!((a - b).abs() <= rel * b.abs() + 1e-6, "{dtype}: {a} vs {b}");
             }
+        }
+    }
+
+    #[test]
+    fn values_visited_one_by_one_are_the_decoded_values_in_every_encoding() {
+        let values: Vec<f32> = (0..1000).map(|i| ((i as f32) * 0.37).sin() * 3.0).collect();
+        let dtypes = [WireDType::F32, WireDType::Bf16, WireDType::F16, WireDType::Int8, WireDType::Sparse];
+        for dtype in dtypes {
+            let t = match dtype {
+                WireDType::Int8 | WireDType::Sparse => {
+                    let codec =
+                        if dtype == WireDType::Int8 { crate::UpdateCodec::Int8 } else { crate::UpdateCodec::TopK(0.1) };
+                    struct V<'a>(&'a [f32]);
+                    impl ToWire for V<'_> {
+                        fn wire_name(&self) -> &str {
+                            "w"
+                        }
+                        fn wire_shape(&self) -> Vec<u64> {
+                            vec![10, 100]
+                        }
+                        fn wire_values(&self) -> &[f32] {
+                            self.0
+                        }
+                    }
+                    TensorPayload::compress(&[V(&values)], codec).tensors.remove(0)
+                }
+                _ => WireTensor::encode("w", &[10, 100], &values, dtype),
+            };
+            assert_eq!(t.dtype(), dtype);
+            let mut visited = Vec::new();
+            t.for_each_value(|v| visited.push(v));
+            assert_eq!(visited, t.values(), "{dtype}");
+            let squares: f64 = t.values().iter().map(|&v| f64::from(v) * f64::from(v)).sum();
+            assert!((t.sum_of_squares() - squares).abs() <= 1e-9 * squares, "{dtype}");
         }
     }
 

@@ -292,3 +292,15 @@ fn chunk_index_past_its_count_is_refused() {
     let msg = Message::Chunk(TransferChunk { transfer: "t".into(), index: 3, count: 3, bytes: vec![1] });
     assert!(matches!(Message::decode(&msg.encode(), &Limits::default()), Err(WireError::BadChunk { .. })));
 }
+
+proptest! {
+    #[test]
+    fn a_chunk_encoded_from_a_borrow_is_the_same_bytes_as_the_message(
+        transfer in name(), index in 0u32..500, extra in 1u32..500, bytes in proptest::collection::vec(any::<u8>(), 0..2048)
+    ) {
+        let chunk = TransferChunk { transfer, index, count: index + extra, bytes };
+        let borrowed = Message::encode_chunk(&chunk);
+        prop_assert_eq!(&borrowed, &Message::Chunk(chunk.clone()).encode());
+        prop_assert_eq!(Message::decode(&borrowed, &Limits::default()).unwrap(), Message::Chunk(chunk));
+    }
+}

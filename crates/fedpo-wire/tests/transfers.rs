@@ -128,3 +128,27 @@ fn a_spooled_transfer_reassembles_out_of_order_survives_a_corrupt_chunk_and_remo
     drop(r);
     assert_eq!(files(), 0, "the spool file is removed with its reassembler");
 }
+
+#[test]
+fn a_transfer_that_falls_out_of_order_midway_is_still_verified_whole() {
+    let p = payload(1_500_000); // six 1 MiB chunks
+    let (manifest, chunks) = split_payload("r4/dev-2", &p, DEFAULT_CHUNK_BYTES);
+    assert_eq!(manifest.chunks, 6);
+    let order = [0, 1, 4, 2, 5, 3]; // hashed while in order, then taken whole at the end
+    let feed = |chunks: &[TransferChunk]| {
+        let mut r = Reassembler::new(manifest.clone(), &Limits::default()).unwrap();
+        let mut last = None;
+        for &i in &order {
+            last = Some(r.accept(chunks[i].clone()));
+        }
+        last.unwrap()
+    };
+    let Ok(Progress::Complete(bytes)) = feed(&chunks) else { panic!("not complete") };
+    assert_eq!(TensorPayload::from_bytes(&bytes, &Limits::default(), true).unwrap(), p);
+    for corrupt in [1, 3] {
+        // one hashed in order, one that arrived after the order broke
+        let mut bad = chunks.clone();
+        bad[corrupt].bytes[7] ^= 0x01;
+        assert!(matches!(feed(&bad), Err(WireError::HashMismatch { .. })), "chunk {corrupt}");
+    }
+}

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Federation overhead: the share of each round spent outside local training, at the
+# DistilGPT-2 size on loopback (embedded broker, 2 in-process devices), for several
+# amounts of local work and update codecs. Prints one table row per round;
+# OUT/<run>/metrics.jsonl keeps everything.
+#
+#   scripts/bench_overhead.sh [OUT] [LOCAL_STEPS...]      (default: runs/overhead 2 8 32)
+#
+# CODECS (default "f32 int8") sets the update codecs of the 2-step runs; longer runs use f32.
+# The share is 1 - (slowest device's local training) / (round seconds), as in the README.
+set -euo pipefail
+out=${1:-runs/overhead}
+shift || true
+steps=("$@")
+[ ${#steps[@]} -gt 0 ] || steps=(2 8 32)
+read -r -a codecs <<< "${CODECS:-f32 int8}"
+cd "$(dirname "$0")/.."
+cargo build --release -p fedpo-aggregator
+bin=target/release/fedpo-aggregator
+mkdir -p "$out"
+
+run() { # NAME LOCAL_STEPS CODEC
+    local dir="$out/$1"
+    rm -rf "$dir"
+    "$bin" simulate --model distilgpt2 --method feddpo --devices 2 --per-round 2 --rounds 3 \
+        --train-pairs 8 --heldout-pairs 4 --batch-pairs 4 --local-steps "$2" --update-codec "$3" \
+        --no-final-eval --out "$dir" > "$dir.log" 2>&1 || { echo "$1: failed, see $dir.log" >&2; return 0; }
+    python3 - "$dir/metrics.jsonl" "$1" "$2" "$3" <<'PY'
+import json, sys
+path, name, steps, codec = sys.argv[1:]
+for line in open(path):
+    r = json.loads(line)
+    train = max(r["train_seconds"].values())
+    print(f"| {codec} | {steps} | {r['round']} | {r['seconds']:.2f} | {train:.2f} | "
+          f"{r['seconds'] - train:.2f} | {100 * (1 - train / r['seconds']):.0f} % |")
+PY
+}
+
+echo "| codec | local steps | round | round s | training s (slowest) | outside training s | overhead |"
+echo "|---|---|---|---|---|---|---|"
+for codec in "${codecs[@]}"; do
+    run "steps2-$codec" 2 "$codec"
+done
+for s in "${steps[@]}"; do
+    [ "$s" = 2 ] || run "steps$s-f32" "$s" f32
+done
