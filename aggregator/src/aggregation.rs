@@ -95,13 +95,15 @@ pub(crate) struct RoundUpdates {
 }
 
 impl RoundUpdates {
-    pub(crate) fn new(model: &GlobalModel, args: &AggregationArgs) -> Self {
+    /// Collects a round's updates; a mean sums into the buffers of `spent` (the last
+    /// round's sum) when they fit.
+    pub(crate) fn new(model: &GlobalModel, args: &AggregationArgs, spent: Option<WeightedSum>) -> Self {
         Self {
             rule: args.aggregation,
             byzantine: args.byzantine,
             clip_norm: args.clip_norm,
             noise_std: args.dp_noise_multiplier.zip(args.clip_norm).map(|(sigma, c)| sigma * c),
-            sum: WeightedSum::new(model),
+            sum: WeightedSum::reusing(spent, model),
             held: Vec::new(),
             held_weights: Vec::new(),
             layout: model.shared().map(|t| t.name.clone()).collect(),
@@ -205,7 +207,7 @@ mod tests {
     #[test]
     fn clipping_scales_long_updates_to_the_bound_and_leaves_short_ones() {
         let args = AggregationArgs { clip_norm: Some(1.0), ..Default::default() };
-        let mut r = RoundUpdates::new(&model(), &args);
+        let mut r = RoundUpdates::new(&model(), &args, None);
         r.add(&update([3.0, 0.0], 4.0), 1.0); // norm 5 → scaled by 1/5
         r.add(&update([0.5, 0.0], 0.0), 1.0); // norm 0.5, kept
         assert_eq!(r.clipped(), 1);
@@ -219,7 +221,7 @@ mod tests {
     #[test]
     fn the_median_rule_holds_updates_by_name_and_ignores_pair_counts() {
         let args = AggregationArgs { aggregation: AggregationRule::Median, byzantine: 1, ..Default::default() };
-        let mut r = RoundUpdates::new(&model(), &args);
+        let mut r = RoundUpdates::new(&model(), &args, None);
         r.add(&update([1.0, 2.0], 3.0), 1.0);
         r.add(&update([1.2, 2.2], 3.2), 1.0);
         r.add(&update([-50.0, 90.0], -70.0), 1e9);
@@ -231,7 +233,7 @@ mod tests {
     #[test]
     fn too_few_updates_for_the_rule_fail_the_round_with_the_bound() {
         let args = AggregationArgs { aggregation: AggregationRule::Krum, byzantine: 1, ..Default::default() };
-        let mut r = RoundUpdates::new(&model(), &args);
+        let mut r = RoundUpdates::new(&model(), &args, None);
         r.add(&update([1.0, 2.0], 3.0), 1.0);
         let err = r.finish(&model()).unwrap_err().to_string();
         assert!(err.contains("n > 2f + 2"), "{err}");
@@ -248,7 +250,7 @@ mod tests {
             vec![GlobalTensor { name: "w".into(), shape: vec![n], values: vec![0.0; n], shared: true }],
         );
         let args = AggregationArgs { clip_norm: Some(2.0), dp_noise_multiplier: Some(0.5), ..Default::default() };
-        let mut r = RoundUpdates::new(&big, &args);
+        let mut r = RoundUpdates::new(&big, &args, None);
         let zero = TensorPayload::encode(&big.tensors, WireDType::F32);
         for pairs in [1.0, 1000.0, 7.0, 3.0] {
             r.add(&zero, pairs);

@@ -63,6 +63,8 @@ pub(crate) struct Server {
     /// round needs its hash and the next round its chunks, and each encoding is a pass
     /// over the whole model. `None` when it must be made afresh.
     encoded_global: Option<EncodedPayload>,
+    /// The last round's combined sum, whose buffers the next round sums into.
+    spent_sum: Option<WeightedSum>,
 }
 
 /// A round being collected.
@@ -194,6 +196,7 @@ impl Server {
             limits: Limits::default(),
             started: Instant::now(),
             encoded_global: None,
+            spent_sum: None,
         })
     }
 
@@ -351,7 +354,7 @@ impl Server {
             reported: BTreeMap::new(),
             resends: HashMap::new(),
             population,
-            updates: RoundUpdates::new(&self.global, &self.job.aggregation),
+            updates: RoundUpdates::new(&self.global, &self.job.aggregation, self.spent_sum.take()),
             controls: (training && self.client_term.required_section().is_some())
                 .then(|| WeightedSum::new(&self.global)),
             diagnostics: (training && self.job.diagnostics).then(|| Diagnostics::new(&self.global)),
@@ -472,6 +475,7 @@ impl Server {
                 if let Some(acc) = self.state.privacy.as_mut() {
                     acc.add_round(open.selected.len() as f64 / open.population.max(1) as f64);
                 }
+                self.spent_sum = Some(sum);
             }
             self.state.round = open.round;
             let encoded = self.global.encode();
