@@ -5,6 +5,8 @@
 //! and selects, so the compiler vectorises a loop over a slice; it stays within a few ulps of
 //! libm (tested below against f64), below the f32 rounding of the matmuls around it.
 
+use super::multiversion::multiversion;
+
 const LOG2_E: f32 = std::f32::consts::LOG2_E;
 // ln 2 split in a part exact in f32 and the rest (Cody-Waite), so `x - n ln 2` loses nothing.
 const LN2_HI: f32 = 0.693_145_75;
@@ -25,7 +27,8 @@ const EXP_MIN: f32 = -87.336_55;
 #[inline(always)]
 pub(crate) fn exp_f32(x: f32) -> f32 {
     let clamped = x.clamp(EXP_MIN, EXP_MAX);
-    let n = (clamped * LOG2_E + ROUND_MAGIC) - ROUND_MAGIC;
+    let shifted = clamped * LOG2_E + ROUND_MAGIC;
+    let n = shifted - ROUND_MAGIC;
     let r = clamped - n * LN2_HI - n * LN2_LO;
     // Taylor series of e^r to degree 7 on |r| <= ln2 / 2: truncation error below 1e-8.
     let p = 1.0
@@ -33,52 +36,69 @@ pub(crate) fn exp_f32(x: f32) -> f32 {
             + r * (0.5
                 + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0 + r * (1.0 / 5040.0)))))));
     // 2^n in the exponent field: n in [-126, 128] after the clamp, and 128 gives the bits
-    // of +inf. NaN converts to n = 0 and stays NaN through r.
-    let scale = f32::from_bits((((n as i32) + 127) as u32) << 23);
-    if x < EXP_MIN {
-        0.0
-    } else {
-        p * scale
-    }
+    // of +inf. `shifted` is 1.5 * 2^23 + n, whose low mantissa bits are n itself, so the
+    // exponent comes from integer adds and a shift. (`n as i32` would be shorter, but its
+    // saturating NaN and overflow checks keep every loop around this function scalar.)
+    // A NaN gives garbage bits here and stays NaN through r.
+    let scale = f32::from_bits(shifted.to_bits().wrapping_sub(ROUND_MAGIC.to_bits()).wrapping_add(127) << 23);
+    // Zero below the range through the factor, not the result: a select on the result
+    // keeps the lane sums below scalar.
+    p * if x < EXP_MIN { 0.0 } else { scale }
 }
 
-/// `sum(e^(x - shift))` over a slice, in eight lanes the compiler vectorises, added up in
-/// f64 at the end.
-#[inline]
-pub(crate) fn sum_exp_shifted(xs: &[f32], shift: f32) -> f64 {
-    let mut lanes = [0f32; 8];
-    let mut chunks = xs.chunks_exact(8);
-    for chunk in &mut chunks {
-        // indexed, not zipped: the zipped form stayed scalar
-        for k in 0..8 {
-            lanes[k] += exp_f32(chunk[k] - shift);
+/// Independent accumulators in the lane loops: one AVX-512 register of f32, and the order
+/// the sums are taken in, whichever version runs.
+const LANES: usize = 16;
+
+multiversion! {
+    /// `sum(e^(x - shift))` over a slice, in sixteen lanes the compiler vectorises, added up
+    /// in f64 at the end.
+    pub(crate) fn sum_exp_shifted / sum_exp_shifted_at(xs: &[f32], shift: f32) -> f64 {
+        let mut lanes = [0f32; LANES];
+        let mut chunks = xs.chunks_exact(LANES);
+        for chunk in &mut chunks {
+            // indexed, not zipped: the zipped form stayed scalar
+            for k in 0..LANES {
+                lanes[k] += exp_f32(chunk[k] - shift);
+            }
         }
+        let tail: f64 = chunks.remainder().iter().map(|&v| exp_f32(v - shift) as f64).sum();
+        lanes.iter().map(|&v| v as f64).sum::<f64>() + tail
     }
-    let tail: f64 = chunks.remainder().iter().map(|&v| exp_f32(v - shift) as f64).sum();
-    lanes.iter().map(|&v| v as f64).sum::<f64>() + tail
 }
 
-/// The maximum of a slice (NaN if any element is NaN), in eight independent lanes that
-/// the compiler vectorises.
-#[inline]
-pub(crate) fn max_f32(xs: &[f32]) -> f32 {
-    let mut lanes = [f32::NEG_INFINITY; 8];
-    let mut chunks = xs.chunks_exact(8);
-    let mut nan = false;
-    for chunk in &mut chunks {
-        for (lane, &v) in lanes.iter_mut().zip(chunk) {
+multiversion! {
+    /// The maximum of a slice (NaN if any element is NaN), in sixteen independent lanes
+    /// that the compiler vectorises.
+    pub(crate) fn max_f32 / max_f32_at(xs: &[f32]) -> f32 {
+        let mut lanes = [f32::NEG_INFINITY; LANES];
+        let mut chunks = xs.chunks_exact(LANES);
+        let mut nan = false;
+        for chunk in &mut chunks {
+            for (lane, &v) in lanes.iter_mut().zip(chunk) {
+                nan |= v.is_nan();
+                *lane = if v > *lane { v } else { *lane };
+            }
+        }
+        for &v in chunks.remainder() {
             nan |= v.is_nan();
-            *lane = if v > *lane { v } else { *lane };
+            lanes[0] = if v > lanes[0] { v } else { lanes[0] };
+        }
+        if nan {
+            return f32::NAN;
+        }
+        lanes.into_iter().fold(f32::NEG_INFINITY, f32::max)
+    }
+}
+
+multiversion! {
+    /// `row[j] = -g * e^(row[j] - lse)`, in place: a log-softmax row turned into its
+    /// gradient, before the target's `+g`.
+    pub(crate) fn scaled_softmax_f32 / scaled_softmax_f32_at(row: &mut [f32], lse: f32, g: f32) {
+        for v in row.iter_mut() {
+            *v = -g * exp_f32(*v - lse);
         }
     }
-    for &v in chunks.remainder() {
-        nan |= v.is_nan();
-        lanes[0] = if v > lanes[0] { v } else { lanes[0] };
-    }
-    if nan {
-        return f32::NAN;
-    }
-    lanes.into_iter().fold(f32::NEG_INFINITY, f32::max)
 }
 
 /// `e^x` at the type's speed: [`exp_f32`] for f32, libm for f64 (the tests' reference).
@@ -137,6 +157,28 @@ mod tests {
         let ours = sum_exp_shifted(&xs, 10.0);
         // f32 lanes of ~6,300 terms each: a few parts in a million, as any f32 sum
         assert!(((ours - exact) / exact).abs() < 1e-5, "{ours} vs {exact}");
+    }
+
+    #[test]
+    fn every_vector_width_gives_the_baseline_bits() {
+        use crate::ops::multiversion::{supported_levels, Level};
+        // an odd length, so the tails run too, with the special values mixed in
+        let mut xs: Vec<f32> = (0..50_261).map(|i| ((i * 7919 % 4001) as f32 - 3000.0) / 37.0).collect();
+        xs[17] = f32::NEG_INFINITY;
+        xs[4000] = -200.0;
+        xs[4001] = 95.0;
+        let base_sum = sum_exp_shifted_at(Level::Baseline, &xs, 10.0);
+        let base_max = max_f32_at(Level::Baseline, &xs);
+        let mut base_rows = xs.clone();
+        scaled_softmax_f32_at(Level::Baseline, &mut base_rows, 12.5, 0.75);
+        for level in supported_levels() {
+            assert_eq!(sum_exp_shifted_at(level, &xs, 10.0).to_bits(), base_sum.to_bits(), "{level:?}");
+            assert_eq!(max_f32_at(level, &xs).to_bits(), base_max.to_bits(), "{level:?}");
+            let mut rows = xs.clone();
+            scaled_softmax_f32_at(level, &mut rows, 12.5, 0.75);
+            let same = rows.iter().zip(&base_rows).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{level:?} softmax row differs");
+        }
     }
 
     #[test]

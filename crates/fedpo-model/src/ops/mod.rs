@@ -40,6 +40,7 @@ mod head_logprobs;
 mod layer_norm;
 mod linear;
 mod matmul_frozen;
+mod multiversion;
 mod softmax;
 mod tied_embedding;
 mod token_logprobs;

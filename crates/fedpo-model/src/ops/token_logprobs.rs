@@ -8,7 +8,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Tensor, WithDType};
 use rayon::prelude::*;
 
-use super::fast_math::{exp_f32, max_f32, sum_exp_shifted};
+use super::fast_math::{max_f32, scaled_softmax_f32, sum_exp_shifted};
 use super::{contiguous_slice, full_precision, log_softmax_last_dim, CResult};
 
 /// The per-row arithmetic, fast for f32 and exact-as-libm for f64.
@@ -32,10 +32,7 @@ impl RowMath for f32 {
     }
 
     fn scaled_softmax(row: &mut [f32], lse: f64, g: f64) {
-        let (lse, g) = (lse as f32, g as f32);
-        for v in row.iter_mut() {
-            *v = -g * exp_f32(*v - lse);
-        }
+        scaled_softmax_f32(row, lse as f32, g as f32);
     }
 }
 
