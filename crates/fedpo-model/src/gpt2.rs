@@ -138,18 +138,7 @@ impl Attention {
     /// Causal self-attention. Right padding needs no extra mask: a real token only ever
     /// attends to earlier positions, which are real too.
     fn forward(&self, x: &Tensor) -> CResult<Tensor> {
-        let (b, t, d) = x.dims3()?;
-        let head_dim = d / self.n_head;
-        let qkv = self.c_attn.forward(x)?;
-        // One copy per head tensor: the reshape is a view of the contiguous projection, and
-        // only the transpose to [b, head, t, head_dim] copies.
-        let qkv = qkv.reshape((b, t, 3, self.n_head, head_dim))?;
-        let split = |i: usize| -> CResult<Tensor> { qkv.narrow(2, i, 1)?.squeeze(2)?.transpose(1, 2)?.contiguous() };
-        let (q, k, v) = (split(0)?, split(1)?, split(2)?);
-        // The scaling, the mask and the softmax run in the master dtype.
-        let scores = q.matmul(&k.t()?)?.to_dtype(self.master)?;
-        let probs = ops::causal_softmax(&scores, 1.0 / (head_dim as f64).sqrt())?.to_dtype(v.dtype())?;
-        let y = probs.matmul(&v)?.transpose(1, 2)?.reshape((b, t, d))?;
+        let y = ops::causal_self_attention(&self.c_attn.forward(x)?, self.n_head, self.master)?;
         self.c_proj.forward(&y)
     }
 }

@@ -17,27 +17,45 @@ fn range(l: &Layout, what: &str) -> CResult<(usize, usize)> {
     }
 }
 
-/// Applies `f(dst, src...)` element-wise over f32 or f64 storages.
+/// Elements per parallel task of the in-place kernels: large enough that rayon's overhead
+/// vanishes, small enough that both cores get work on the smallest trained tensors.
+const CHUNK: usize = 64 * 1024;
+
+/// Applies `f(dst, src...)` element-wise over f32 or f64 storages, in parallel chunks.
+/// Sources must have the destination's length.
 macro_rules! zip_storages {
     ($name:expr, $dst:expr, $dl:expr, [$(($src:expr, $sl:expr)),+], |$d:ident, $($s:ident),+| $body:expr) => {{
+        use rayon::prelude::*;
         let (d0, d1) = range($dl, $name)?;
         match $dst {
             CpuStorage::F32(dv) => {
                 let dv = &mut dv[d0..d1];
-                $(let $s = { let (a, b) = range($sl, $name)?; &$src.as_slice::<f32>()?[a..b] };)+
-                for (i, $d) in dv.iter_mut().enumerate() {
-                    $(let $s = f64::from($s[i]);)+
-                    let v: f64 = { let $d = f64::from(*$d); $body };
-                    *$d = v as f32;
-                }
+                $(let $s = { let (a, b) = range($sl, $name)?; &$src.as_slice::<f32>()?[a..b] };
+                  if $s.len() != dv.len() {
+                      bail!("{}: {} source values for {} destination values", $name, $s.len(), dv.len());
+                  })+
+                dv.par_chunks_mut(CHUNK).enumerate().for_each(|(c, dv)| {
+                    $(let $s = &$s[c * CHUNK..c * CHUNK + dv.len()];)+
+                    for (i, $d) in dv.iter_mut().enumerate() {
+                        $(let $s = f64::from($s[i]);)+
+                        let v: f64 = { let $d = f64::from(*$d); $body };
+                        *$d = v as f32;
+                    }
+                });
             }
             CpuStorage::F64(dv) => {
                 let dv = &mut dv[d0..d1];
-                $(let $s = { let (a, b) = range($sl, $name)?; &$src.as_slice::<f64>()?[a..b] };)+
-                for (i, $d) in dv.iter_mut().enumerate() {
-                    $(let $s = $s[i];)+
-                    *$d = { let $d = *$d; $body };
-                }
+                $(let $s = { let (a, b) = range($sl, $name)?; &$src.as_slice::<f64>()?[a..b] };
+                  if $s.len() != dv.len() {
+                      bail!("{}: {} source values for {} destination values", $name, $s.len(), dv.len());
+                  })+
+                dv.par_chunks_mut(CHUNK).enumerate().for_each(|(c, dv)| {
+                    $(let $s = &$s[c * CHUNK..c * CHUNK + dv.len()];)+
+                    for (i, $d) in dv.iter_mut().enumerate() {
+                        $(let $s = $s[i];)+
+                        *$d = { let $d = *$d; $body };
+                    }
+                });
             }
             other => bail!("{}: unsupported dtype {:?}", $name, other.dtype()),
         }
@@ -145,8 +163,76 @@ pub(crate) fn cpu_sum_of_squares(t: &Tensor) -> Option<f64> {
     let (storage, layout) = t.storage_and_layout();
     let (a, b) = layout.contiguous_offsets()?;
     match &*storage {
-        Storage::Cpu(CpuStorage::F32(v)) => Some(v[a..b].iter().map(|x| f64::from(*x) * f64::from(*x)).sum()),
-        Storage::Cpu(CpuStorage::F64(v)) => Some(v[a..b].iter().map(|x| x * x).sum()),
+        Storage::Cpu(CpuStorage::F32(v)) => Some(sum_of_squares(&v[a..b], f64::from)),
+        Storage::Cpu(CpuStorage::F64(v)) => Some(sum_of_squares(&v[a..b], |x| x)),
         _ => None,
+    }
+}
+
+/// `sum(x^2)` in f64: chunks in parallel, eight independent accumulators in each (one
+/// chained sum waits on every add), the chunks' sums added in order. The result depends
+/// only on the values, not on the thread count.
+fn sum_of_squares<T: Copy + Send + Sync>(xs: &[T], to_f64: impl Fn(T) -> f64 + Sync) -> f64 {
+    use rayon::prelude::*;
+    let partial: Vec<f64> = xs
+        .par_chunks(CHUNK)
+        .map(|chunk| {
+            let mut lanes = [0f64; 8];
+            let mut exact = chunk.chunks_exact(8);
+            for eight in &mut exact {
+                for (lane, &x) in lanes.iter_mut().zip(eight) {
+                    let x = to_f64(x);
+                    *lane += x * x;
+                }
+            }
+            let tail: f64 = exact.remainder().iter().map(|&x| to_f64(x) * to_f64(x)).sum();
+            lanes.iter().sum::<f64>() + tail
+        })
+        .collect();
+    partial.iter().sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var};
+
+    fn values(n: usize) -> Vec<f32> {
+        (0..n).map(|i| ((i * 7919 % 1009) as f32 - 504.0) / 97.0).collect()
+    }
+
+    #[test]
+    fn sum_of_squares_over_many_chunks_matches_a_sequential_f64_sum() {
+        let xs = values(3 * CHUNK + 1234);
+        let exact: f64 = xs.iter().map(|&x| f64::from(x) * f64::from(x)).sum();
+        let t = Tensor::from_slice(&xs, xs.len(), &Device::Cpu).unwrap();
+        let ours = cpu_sum_of_squares(&t).unwrap();
+        assert!(((ours - exact) / exact).abs() < 1e-10, "{ours} vs {exact}");
+        // a view into the middle of a storage sums only its own elements
+        let mid = t.narrow(0, 100, 2 * CHUNK).unwrap();
+        let exact_mid: f64 = xs[100..100 + 2 * CHUNK].iter().map(|&x| f64::from(x) * f64::from(x)).sum();
+        assert!((cpu_sum_of_squares(&mid).unwrap() - exact_mid).abs() / exact_mid < 1e-10);
+    }
+
+    #[test]
+    fn sgd_step_in_parallel_chunks_updates_every_element_and_only_the_view() {
+        let n = 2 * CHUNK + 77;
+        let (theta0, g) = (values(n), values(n).iter().map(|v| v * 0.5 + 1.0).collect::<Vec<_>>());
+        let theta = Var::from_slice(&theta0, n, &Device::Cpu).unwrap();
+        let grad = Tensor::from_slice(&g, n, &Device::Cpu).unwrap();
+        theta.as_tensor().inplace_op2(&grad, &SgdStep { step: 0.1 }).unwrap();
+        let got = theta.as_tensor().to_vec1::<f32>().unwrap();
+        for i in [0, 1, CHUNK - 1, CHUNK, CHUNK + 1, n - 1] {
+            let want = (f64::from(theta0[i]) - 0.1 * f64::from(g[i])) as f32;
+            assert_eq!(got[i], want, "element {i}");
+        }
+    }
+
+    #[test]
+    fn in_place_update_refuses_a_gradient_of_another_length() {
+        let theta = Var::from_slice(&values(10), 10, &Device::Cpu).unwrap();
+        let short = Tensor::from_slice(&values(9), 9, &Device::Cpu).unwrap();
+        let err = theta.as_tensor().inplace_op2(&short, &SgdStep { step: 0.1 }).unwrap_err();
+        assert!(err.to_string().contains("9 source values for 10"), "{err}");
     }
 }

@@ -8,6 +8,8 @@
 //! - [`matmul_frozen_rhs`]: a matmul whose backward skips the weight gradient;
 //! - [`token_logprobs`]: a fused log-softmax + gather over the vocabulary;
 //! - [`gelu_new`]: GPT-2's tanh GELU with its exact derivative;
+//! - [`causal_self_attention`]: multi-head causal attention straight from the fused
+//!   projection, with the heads read and written in place;
 //! - [`layer_norm`] and [`softmax_last_dim`]: forward keeps only what backward needs;
 //! - [`TiedGradient`]: the embedding lookup and the tied head (alone, or fused with the
 //!   target tokens' log-probabilities), adding into one gradient buffer.
@@ -34,6 +36,7 @@ macro_rules! map_float_storage {
     };
 }
 
+mod attention;
 mod fast_math;
 mod gelu;
 mod head_logprobs;
@@ -47,6 +50,7 @@ mod token_logprobs;
 
 use candle_core::{CpuStorage, Layout, Tensor, WithDType, D};
 
+pub use attention::{causal_self_attention, causal_self_attention_composed};
 pub use gelu::gelu_new;
 pub use layer_norm::layer_norm;
 pub use linear::linear_bias;

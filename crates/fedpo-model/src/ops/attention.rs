@@ -1,0 +1,321 @@
+//! Causal self-attention from the fused `q | k | v` projection, as one op.
+//!
+//! Composed, attention is a dozen graph nodes per layer: three narrows of the projection,
+//! a squeeze, transpose and copy per head tensor, two batched matmuls, the softmax and the
+//! merge of the heads. candle's backward gives each node's input a fresh zero gradient and
+//! adds into it, and turns each narrow back into a full-size padded copy, so the split
+//! alone costs several projection-sized passes. Here the matmuls read the heads where they
+//! lie in the projection (gemm takes strides) and write the merged output directly, and
+//! backward writes the three head gradients straight into one projection-sized gradient.
+//! Nothing attention-sized is kept: backward recomputes the probabilities, which costs one
+//! small matmul per head (`t x t x head_dim`).
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Shape, Tensor, WithDType};
+use rayon::prelude::*;
+
+use super::fast_math::FastExp;
+use super::{contiguous_slice, full_precision, CResult};
+
+/// A raw pointer the per-head tasks share. Each task reads the whole input but writes only
+/// its own head's columns of its own sequence, so no two tasks write the same element.
+#[derive(Clone, Copy)]
+struct SharedMut<T>(*mut T);
+// SAFETY: see the type's doc: tasks write disjoint elements, and the buffer outlives them.
+unsafe impl<T: Send> Send for SharedMut<T> {}
+// SAFETY: as above.
+unsafe impl<T: Send> Sync for SharedMut<T> {}
+
+impl<T> SharedMut<T> {
+    /// Through a method, so closures capture the `Sync` wrapper and not the bare pointer.
+    fn ptr(&self) -> *mut T {
+        self.0
+    }
+}
+
+/// The shape of one call: `batch` sequences of `t` tokens, `n_head` heads of `head_dim`.
+#[derive(Clone, Copy, Debug)]
+struct Dims {
+    batch: usize,
+    t: usize,
+    n_head: usize,
+    head_dim: usize,
+}
+
+impl Dims {
+    fn of(l: &Layout, n_head: usize, what: &str) -> CResult<Self> {
+        let (batch, t, three_d) = l.shape().dims3()?;
+        if n_head == 0 || three_d % (3 * n_head) != 0 {
+            candle_core::bail!("{what}: last dimension {three_d} is not 3 x n_head ({n_head}) x head_dim");
+        }
+        Ok(Self { batch, t, n_head, head_dim: three_d / (3 * n_head) })
+    }
+
+    fn d(&self) -> usize {
+        self.n_head * self.head_dim
+    }
+}
+
+/// `dst[m x n] = alpha * lhs[m x k] @ rhs[k x n]`, each operand given by a pointer and its
+/// (row, column) strides, on the calling thread.
+///
+/// # Safety
+/// Every element the strides address must lie inside its buffer, and `dst` must not alias
+/// the operands.
+#[allow(clippy::too_many_arguments)]
+unsafe fn matmul_into<T: WithDType>(
+    (m, n, k): (usize, usize, usize),
+    dst: *mut T,
+    dst_rs: usize,
+    lhs: *const T,
+    (lhs_rs, lhs_cs): (usize, usize),
+    rhs: *const T,
+    (rhs_rs, rhs_cs): (usize, usize),
+    alpha: T,
+) {
+    // SAFETY: the caller's contract is gemm's.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst,
+            1,
+            dst_rs as isize,
+            false,
+            lhs,
+            lhs_cs as isize,
+            lhs_rs as isize,
+            rhs,
+            rhs_cs as isize,
+            rhs_rs as isize,
+            T::zero(),
+            alpha,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        );
+    }
+}
+
+/// `probs = softmax(scores)` row by row in place, row `r` over its first `r + 1` entries;
+/// the rest become exactly zero.
+fn causal_softmax_rows<T: FastExp>(probs: &mut [T], t: usize) {
+    for (r, row) in probs.chunks_mut(t).enumerate() {
+        let (seen, masked) = row.split_at_mut(r + 1);
+        let max = seen.iter().fold(T::from_f64(f64::NEG_INFINITY), |m, &v| if v > m { v } else { m });
+        let mut sum = 0f64;
+        for v in seen.iter_mut() {
+            *v = (*v - max).fast_exp();
+            sum += v.to_f64();
+        }
+        let inv = T::from_f64(1.0 / sum);
+        seen.iter_mut().for_each(|v| *v *= inv);
+        masked.iter_mut().for_each(|v| *v = T::zero());
+    }
+}
+
+/// The probabilities of head `h` of sequence `b` into `probs` (`t x t`).
+///
+/// # Safety
+/// `qkv` holds the whole `[batch, t, 3d]` projection.
+unsafe fn head_probs<T: FastExp>(dims: Dims, qkv: *const T, b: usize, h: usize, probs: &mut [T]) {
+    let (t, d, hd) = (dims.t, dims.d(), dims.head_dim);
+    let scale = T::from_f64(1.0 / (hd as f64).sqrt());
+    // SAFETY: head h of sequence b lies inside the projection, and `probs` is t x t.
+    unsafe {
+        let seq = qkv.add(b * t * 3 * d);
+        let (q, k) = (seq.add(h * hd), seq.add(d + h * hd));
+        // scale * Q K^T: K^T's (row, col) is K's (col, row)
+        matmul_into((t, t, hd), probs.as_mut_ptr(), t, q, (3 * d, 1), k, (1, 3 * d), scale);
+    }
+    causal_softmax_rows(probs, t);
+}
+
+fn forward_cpu<T: FastExp>(qkv: &[T], dims: Dims) -> Vec<T> {
+    let (t, d, hd) = (dims.t, dims.d(), dims.head_dim);
+    let mut out = vec![T::zero(); dims.batch * t * d];
+    let dst = SharedMut(out.as_mut_ptr());
+    (0..dims.batch * dims.n_head).into_par_iter().for_each_init(
+        || vec![T::zero(); t * t],
+        |probs, task| {
+            let (b, h) = (task / dims.n_head, task % dims.n_head);
+            // SAFETY: `qkv` is [batch, t, 3d] (checked by the caller), `out` is [batch, t, d],
+            // and this task writes only head h's columns of sequence b.
+            unsafe {
+                head_probs(dims, qkv.as_ptr(), b, h, probs);
+                let v = qkv.as_ptr().add(b * t * 3 * d + 2 * d + h * hd);
+                let y = dst.ptr().add(b * t * d + h * hd);
+                matmul_into((t, hd, t), y, d, probs.as_ptr(), (t, 1), v, (3 * d, 1), T::one());
+            }
+        },
+    );
+    out
+}
+
+/// `d qkv` from `dy`: per head, with `P` recomputed and `S` the scaled scores,
+/// `dV = P^T dY`, `dP = dY V^T`, `dS = P * (dP - rowsum(dP * P))`, and through the scale
+/// `dQ = scale dS K`, `dK = scale dS^T Q`.
+fn backward_cpu<T: FastExp>(qkv: &[T], dy: &[T], dims: Dims) -> Vec<T> {
+    let (t, d, hd) = (dims.t, dims.d(), dims.head_dim);
+    let mut out = vec![T::zero(); qkv.len()];
+    let dst = SharedMut(out.as_mut_ptr());
+    let scale = T::from_f64(1.0 / (hd as f64).sqrt());
+    (0..dims.batch * dims.n_head).into_par_iter().for_each_init(
+        || (vec![T::zero(); t * t], vec![T::zero(); t * t]),
+        |(probs, dprobs), task| {
+            let (b, h) = (task / dims.n_head, task % dims.n_head);
+            // SAFETY: `qkv` and `out` are [batch, t, 3d], `dy` is [batch, t, d] (checked by
+            // the caller); this task writes only head h's q, k and v columns of sequence b.
+            unsafe {
+                head_probs(dims, qkv.as_ptr(), b, h, probs);
+                let seq = qkv.as_ptr().add(b * t * 3 * d);
+                let (q, k, v) = (seq.add(h * hd), seq.add(d + h * hd), seq.add(2 * d + h * hd));
+                let dy_h = dy.as_ptr().add(b * t * d + h * hd);
+                let dseq = dst.ptr().add(b * t * 3 * d);
+                let (dq, dk, dv) = (dseq.add(h * hd), dseq.add(d + h * hd), dseq.add(2 * d + h * hd));
+                matmul_into((t, hd, t), dv, 3 * d, probs.as_ptr(), (1, t), dy_h, (d, 1), T::one());
+                matmul_into((t, t, hd), dprobs.as_mut_ptr(), t, dy_h, (d, 1), v, (1, 3 * d), T::one());
+                for (p, dp) in probs.chunks(t).zip(dprobs.chunks_mut(t)) {
+                    let dot: f64 = p.iter().zip(dp.iter()).map(|(p, g)| p.to_f64() * g.to_f64()).sum();
+                    let dot = T::from_f64(dot);
+                    for (g, &p) in dp.iter_mut().zip(p) {
+                        *g = p * (*g - dot);
+                    }
+                }
+                matmul_into((t, hd, t), dq, 3 * d, dprobs.as_ptr(), (t, 1), k, (3 * d, 1), scale);
+                matmul_into((t, hd, t), dk, 3 * d, dprobs.as_ptr(), (1, t), q, (3 * d, 1), scale);
+            }
+        },
+    );
+    out
+}
+
+struct CausalAttention {
+    n_head: usize,
+}
+
+impl CustomOp1 for CausalAttention {
+    fn name(&self) -> &'static str {
+        "causal-attention"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> CResult<(CpuStorage, Shape)> {
+        let dims = Dims::of(l, self.n_head, self.name())?;
+        let out = map_float_storage!(s, self.name(), T => forward_cpu::<T>(contiguous_slice(s, l, self.name())?, dims));
+        Ok((out, Shape::from((dims.batch, dims.t, dims.d()))))
+    }
+
+    fn bwd(&self, qkv: &Tensor, _res: &Tensor, grad: &Tensor) -> CResult<Option<Tensor>> {
+        Ok(Some(qkv.apply_op2_no_bwd(&grad.contiguous()?, &CausalAttentionBackward { n_head: self.n_head })?))
+    }
+}
+
+struct CausalAttentionBackward {
+    n_head: usize,
+}
+
+impl CustomOp2 for CausalAttentionBackward {
+    fn name(&self) -> &'static str {
+        "causal-attention-backward"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> CResult<(CpuStorage, Shape)> {
+        let (name, dims) = (self.name(), Dims::of(l1, self.n_head, self.name())?);
+        if l2.shape().dims() != [dims.batch, dims.t, dims.d()] {
+            candle_core::bail!("{name}: gradient of shape {:?} for attention output {:?}", l2.shape(), dims);
+        }
+        let out = map_float_storage!(s1, name, T =>
+            backward_cpu::<T>(contiguous_slice(s1, l1, name)?, contiguous_slice(s2, l2, name)?, dims));
+        Ok((out, l1.shape().clone()))
+    }
+}
+
+/// Causal multi-head self-attention `[b, t, d]` from the fused projection
+/// `qkv: [b, t, 3d]` (queries, keys, values, each `n_head` heads of `d / n_head`), with
+/// the heads merged back in order. One fused op on the CPU in f32 and f64; elsewhere, and
+/// in half precision, the composed ops in `dtype` (the softmax's).
+pub fn causal_self_attention(qkv: &Tensor, n_head: usize, softmax_dtype: candle_core::DType) -> CResult<Tensor> {
+    if qkv.device().is_cpu() && full_precision(qkv) && qkv.dtype() == softmax_dtype {
+        return qkv.contiguous()?.apply_op1(CausalAttention { n_head });
+    }
+    causal_self_attention_composed(qkv, n_head, softmax_dtype)
+}
+
+/// The composed version: the fallback, and the fused op's reference.
+pub fn causal_self_attention_composed(
+    qkv: &Tensor,
+    n_head: usize,
+    softmax_dtype: candle_core::DType,
+) -> CResult<Tensor> {
+    let (b, t, three_d) = qkv.dims3()?;
+    let d = three_d / 3;
+    let head_dim = d / n_head;
+    // One copy per head tensor: the reshape is a view of the contiguous projection, and
+    // only the transpose to [b, head, t, head_dim] copies.
+    let qkv = qkv.reshape((b, t, 3, n_head, head_dim))?;
+    let split = |i: usize| -> CResult<Tensor> { qkv.narrow(2, i, 1)?.squeeze(2)?.transpose(1, 2)?.contiguous() };
+    let (q, k, v) = (split(0)?, split(1)?, split(2)?);
+    let scores = q.matmul(&k.t()?)?.to_dtype(softmax_dtype)?;
+    let probs = super::causal_softmax(&scores, 1.0 / (head_dim as f64).sqrt())?.to_dtype(v.dtype())?;
+    probs.matmul(&v)?.transpose(1, 2)?.reshape((b, t, d))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::tests::{max_abs_diff, randn};
+    use super::*;
+    use candle_core::{DType, Var};
+
+    #[test]
+    fn fused_attention_matches_the_composed_ops_in_value_and_gradient() {
+        for (batch, t, n_head, head_dim) in [(2, 5, 2, 4), (1, 9, 3, 2), (3, 1, 1, 6)] {
+            let d = n_head * head_dim;
+            let qkv = Var::from_tensor(&randn(&[batch, t, 3 * d], 51)).unwrap();
+            let upstream = randn(&[batch, t, d], 52);
+            let fused = causal_self_attention(qkv.as_tensor(), n_head, DType::F64).unwrap();
+            let composed = causal_self_attention_composed(qkv.as_tensor(), n_head, DType::F64).unwrap();
+            assert!(max_abs_diff(&fused, &composed) < 1e-12, "{batch} x {t}, {n_head} heads");
+            let g_fused = (fused * &upstream).unwrap().sum_all().unwrap().backward().unwrap();
+            let g_comp = (composed * &upstream).unwrap().sum_all().unwrap().backward().unwrap();
+            let (a, b) = (g_fused.get(qkv.as_tensor()).unwrap(), g_comp.get(qkv.as_tensor()).unwrap());
+            assert!(max_abs_diff(a, b) < 1e-12, "gradients differ by {}", max_abs_diff(a, b));
+        }
+    }
+
+    #[test]
+    fn a_token_attends_only_to_itself_and_earlier_tokens() {
+        // changing the last token's q, k and v leaves every earlier output unchanged
+        let qkv = randn(&[1, 6, 3 * 4], 53);
+        let changed = qkv.slice_assign(&[0..1, 5..6, 0..12], &randn(&[1, 1, 12], 54)).unwrap();
+        let a = causal_self_attention(&qkv, 2, DType::F64).unwrap();
+        let b = causal_self_attention(&changed, 2, DType::F64).unwrap();
+        assert!(max_abs_diff(&a.narrow(1, 0, 5).unwrap(), &b.narrow(1, 0, 5).unwrap()) == 0.0);
+        assert!(max_abs_diff(&a.narrow(1, 5, 1).unwrap(), &b.narrow(1, 5, 1).unwrap()) > 1e-3);
+    }
+
+    #[test]
+    fn f32_attention_and_its_gradient_track_f64() {
+        let qkv64 = randn(&[2, 64, 3 * 32], 55);
+        let upstream = randn(&[2, 64, 32], 56);
+        let exact = Var::from_tensor(&qkv64).unwrap();
+        let ours = Var::from_tensor(&qkv64.to_dtype(DType::F32).unwrap()).unwrap();
+        let y64 = causal_self_attention(exact.as_tensor(), 4, DType::F64).unwrap();
+        let y32 = causal_self_attention(ours.as_tensor(), 4, DType::F32).unwrap();
+        assert!(max_abs_diff(&y32.to_dtype(DType::F64).unwrap(), &y64) < 1e-5);
+        let g64 = (y64 * &upstream).unwrap().sum_all().unwrap().backward().unwrap();
+        let up32 = upstream.to_dtype(DType::F32).unwrap();
+        let g32 = (y32 * up32).unwrap().sum_all().unwrap().backward().unwrap();
+        let a = g32.get(ours.as_tensor()).unwrap().to_dtype(DType::F64).unwrap();
+        let err = max_abs_diff(&a, g64.get(exact.as_tensor()).unwrap());
+        assert!(err < 1e-4, "gradient differs from f64 by {err}");
+    }
+
+    #[test]
+    fn attention_refuses_a_projection_that_is_not_three_heads_wide() {
+        let qkv = Tensor::zeros((1, 4, 10), DType::F32, &candle_core::Device::Cpu).unwrap();
+        let err = causal_self_attention(&qkv, 2, DType::F32).unwrap_err().to_string();
+        assert!(err.contains("not 3 x n_head"), "{err}");
+    }
+}
