@@ -104,14 +104,7 @@ unsafe fn matmul_into<T: WithDType>(
 fn causal_softmax_rows<T: FastExp>(probs: &mut [T], t: usize) {
     for (r, row) in probs.chunks_mut(t).enumerate() {
         let (seen, masked) = row.split_at_mut(r + 1);
-        let max = seen.iter().fold(T::from_f64(f64::NEG_INFINITY), |m, &v| if v > m { v } else { m });
-        let mut sum = 0f64;
-        for v in seen.iter_mut() {
-            *v = (*v - max).fast_exp();
-            sum += v.to_f64();
-        }
-        let inv = T::from_f64(1.0 / sum);
-        seen.iter_mut().for_each(|v| *v *= inv);
+        T::softmax_in_place(seen);
         masked.iter_mut().for_each(|v| *v = T::zero());
     }
 }

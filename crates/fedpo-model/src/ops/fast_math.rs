@@ -101,15 +101,54 @@ multiversion! {
     }
 }
 
+multiversion! {
+    /// `row = softmax(row)` in place: the maximum, `e^(x - max)` written back with lane
+    /// sums, then one scaling pass.
+    pub(crate) fn softmax_in_place_f32 / softmax_in_place_f32_at(row: &mut [f32]) {
+        let max = max_f32(row);
+        let mut lanes = [0f32; LANES];
+        let mut chunks = row.chunks_exact_mut(LANES);
+        for chunk in &mut chunks {
+            for k in 0..LANES {
+                chunk[k] = exp_f32(chunk[k] - max);
+                lanes[k] += chunk[k];
+            }
+        }
+        let mut sum = lanes.iter().map(|&v| v as f64).sum::<f64>();
+        for v in chunks.into_remainder() {
+            *v = exp_f32(*v - max);
+            sum += *v as f64;
+        }
+        let inv = (1.0 / sum) as f32;
+        row.iter_mut().for_each(|v| *v *= inv);
+    }
+}
+
 /// `e^x` at the type's speed: [`exp_f32`] for f32, libm for f64 (the tests' reference).
 pub(crate) trait FastExp: candle_core::WithDType {
     fn fast_exp(self) -> Self;
+
+    /// `row = softmax(row)` in place.
+    fn softmax_in_place(row: &mut [Self]) {
+        let max = row.iter().fold(Self::from_f64(f64::NEG_INFINITY), |m, &v| if v > m { v } else { m });
+        let mut sum = 0f64;
+        for v in row.iter_mut() {
+            *v = (*v - max).fast_exp();
+            sum += v.to_f64();
+        }
+        let inv = Self::from_f64(1.0 / sum);
+        row.iter_mut().for_each(|v| *v *= inv);
+    }
 }
 
 impl FastExp for f32 {
     #[inline(always)]
     fn fast_exp(self) -> f32 {
         exp_f32(self)
+    }
+
+    fn softmax_in_place(row: &mut [f32]) {
+        softmax_in_place_f32(row)
     }
 }
 
@@ -171,7 +210,16 @@ mod tests {
         let base_max = max_f32_at(Level::Baseline, &xs);
         let mut base_rows = xs.clone();
         scaled_softmax_f32_at(Level::Baseline, &mut base_rows, 12.5, 0.75);
+        let mut base_softmax = xs[..300].to_vec();
+        base_softmax[17] = -1.0;
+        let softmax_input = base_softmax.clone();
+        softmax_in_place_f32_at(Level::Baseline, &mut base_softmax);
+        let total: f64 = base_softmax.iter().map(|&p| p as f64).sum();
+        assert!((total - 1.0).abs() < 1e-5, "softmax sums to {total}");
         for level in supported_levels() {
+            let mut probs = softmax_input.clone();
+            softmax_in_place_f32_at(level, &mut probs);
+            assert!(probs.iter().zip(&base_softmax).all(|(a, b)| a.to_bits() == b.to_bits()), "{level:?} softmax");
             assert_eq!(sum_exp_shifted_at(level, &xs, 10.0).to_bits(), base_sum.to_bits(), "{level:?}");
             assert_eq!(max_f32_at(level, &xs).to_bits(), base_max.to_bits(), "{level:?}");
             let mut rows = xs.clone();
