@@ -14,6 +14,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Shape, Tensor, WithDType};
 use rayon::prelude::*;
 
+use super::dense::gemm_into;
 use super::fast_math::FastExp;
 use super::{contiguous_slice, full_precision, CResult};
 
@@ -56,47 +57,22 @@ impl Dims {
     }
 }
 
-/// `dst[m x n] = alpha * lhs[m x k] @ rhs[k x n]`, each operand given by a pointer and its
-/// (row, column) strides, on the calling thread.
+/// `dst[m x n] = alpha * lhs @ rhs` on the calling thread (the tasks are the parallelism).
 ///
 /// # Safety
-/// Every element the strides address must lie inside its buffer, and `dst` must not alias
-/// the operands.
-#[allow(clippy::too_many_arguments)]
+/// As [`gemm_into`]'s.
 unsafe fn matmul_into<T: WithDType>(
-    (m, n, k): (usize, usize, usize),
+    mnk: (usize, usize, usize),
     dst: *mut T,
     dst_rs: usize,
     lhs: *const T,
-    (lhs_rs, lhs_cs): (usize, usize),
+    lhs_strides: (usize, usize),
     rhs: *const T,
-    (rhs_rs, rhs_cs): (usize, usize),
+    rhs_strides: (usize, usize),
     alpha: T,
 ) {
-    // SAFETY: the caller's contract is gemm's.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst,
-            1,
-            dst_rs as isize,
-            false,
-            lhs,
-            lhs_cs as isize,
-            lhs_rs as isize,
-            rhs,
-            rhs_cs as isize,
-            rhs_rs as isize,
-            T::zero(),
-            alpha,
-            false,
-            false,
-            false,
-            gemm::Parallelism::None,
-        );
-    }
+    // SAFETY: the caller's contract.
+    unsafe { gemm_into(mnk, dst, dst_rs, false, lhs, lhs_strides, rhs, rhs_strides, alpha, 1) }
 }
 
 /// `probs = softmax(scores)` row by row in place, row `r` over its first `r + 1` entries;

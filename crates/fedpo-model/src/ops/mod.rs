@@ -37,6 +37,7 @@ macro_rules! map_float_storage {
 }
 
 mod attention;
+mod dense;
 mod fast_math;
 mod gelu;
 mod head_logprobs;

@@ -17,6 +17,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::backprop::GradStore;
 use candle_core::{CpuStorage, CustomOp2, InplaceOp2, InplaceOp3, Layout, Shape, Tensor, WithDType};
 
+use super::dense::{matmul_nt, AddMatmulTn, MatmulTn};
 use super::head_logprobs::HeadLogProbs;
 use super::{contiguous_slice, CResult};
 
@@ -78,18 +79,6 @@ impl TiedGradient {
     /// CPU, f32 or f64, `hidden` in `wte`'s dtype.
     pub fn head_logprobs(&self, hidden: &Tensor, wte: &Tensor, targets: &Tensor) -> CResult<Tensor> {
         hidden.contiguous()?.apply_op3(wte, &targets.contiguous()?, HeadLogProbs::new(self.0.clone()))
-    }
-}
-
-/// Adds `grad` into the slot, taking it as the buffer when the slot is empty.
-pub(super) fn add_into(slot: &Slot, grad: Tensor) -> CResult<()> {
-    let mut guard = slot.lock().unwrap_or_else(PoisonError::into_inner);
-    match guard.as_ref() {
-        Some(acc) => acc.inplace_op2(&grad, &AddInPlace),
-        None => {
-            *guard = Some(grad);
-            Ok(())
-        }
     }
 }
 
@@ -167,7 +156,15 @@ pub(super) fn head_logits_cpu(
     if d != d2 {
         candle_core::bail!("{op}: hidden size {d} does not match the embedding's {d2}");
     }
-    sh.matmul(sw, (1, n, vocab, d), lh, &lw.transpose(0, 1)?)
+    match (sh, sw, lh.is_contiguous() && lw.is_contiguous()) {
+        (CpuStorage::F32(_), CpuStorage::F32(_), true) => {
+            Ok(CpuStorage::F32(matmul_nt(contiguous_slice(sh, lh, op)?, contiguous_slice(sw, lw, op)?, (n, vocab, d))?))
+        }
+        (CpuStorage::F64(_), CpuStorage::F64(_), true) => {
+            Ok(CpuStorage::F64(matmul_nt(contiguous_slice(sh, lh, op)?, contiguous_slice(sw, lw, op)?, (n, vocab, d))?))
+        }
+        _ => sh.matmul(sw, (1, n, vocab, d), lh, &lw.transpose(0, 1)?),
+    }
 }
 
 /// The head's backward from the logits' gradient: `wte`'s part goes to the buffer (if it
@@ -178,7 +175,14 @@ pub(super) fn head_backward(slot: &Slot, hidden: &Tensor, wte: &Tensor, dlogits:
     let (want_dhidden, want_dwte) = (hidden.track_op(), wte.track_op());
     let (hidden, wte) = (hidden.detach(), wte.detach());
     if want_dwte {
-        add_into(slot, dlogits.t()?.matmul(&hidden)?)?;
+        let (dlogits, hidden) = (dlogits.contiguous()?, hidden.contiguous()?);
+        let mut guard = slot.lock().unwrap_or_else(PoisonError::into_inner);
+        match guard.as_ref() {
+            // Added into the buffer by the matmul itself, or written straight into a new one.
+            Some(acc) if acc.is_contiguous() => acc.inplace_op3(&dlogits, &hidden, &AddMatmulTn)?,
+            Some(acc) => acc.inplace_op2(&dlogits.apply_op2_no_bwd(&hidden, &MatmulTn)?, &AddInPlace)?,
+            None => *guard = Some(dlogits.apply_op2_no_bwd(&hidden, &MatmulTn)?),
+        }
     }
     want_dhidden.then(|| dlogits.matmul(&wte)).transpose()
 }
