@@ -61,6 +61,7 @@ impl Dims {
 ///
 /// # Safety
 /// As [`gemm_into`]'s.
+#[allow(clippy::too_many_arguments)]
 unsafe fn matmul_into<T: WithDType>(
     mnk: (usize, usize, usize),
     dst: *mut T,
