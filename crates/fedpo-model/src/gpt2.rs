@@ -83,11 +83,10 @@ impl Conv1D {
         Ok(Self { weight, bias, weight_frozen, lora })
     }
 
+    /// `x: [rows, fan_in]`, 2-D: the model keeps its residual stream as rows, so no
+    /// reshape (a graph node with a zero-filled gradient of its own) sits around each
+    /// projection.
     fn forward(&self, x: &Tensor) -> CResult<Tensor> {
-        let mut out_dims = x.dims().to_vec();
-        let fan_in = out_dims.pop().unwrap_or(0);
-        let rows: usize = out_dims.iter().product();
-        let x2 = x.reshape((rows, fan_in))?;
         // Weights are kept in the master dtype and cast to the compute dtype at use (a no-op
         // when they agree); the gradient flows back through the cast in the master dtype.
         // A frozen projection is detached, so backward skips its weight and bias gradients.
@@ -95,20 +94,18 @@ impl Conv1D {
             let p = p.to_dtype(x.dtype())?;
             Ok(if self.weight_frozen { p.detach() } else { p })
         };
-        let y = match &self.lora {
+        match &self.lora {
             // The base trains, so backward forms the weight-sized gradient anyway: folding the
             // adapter into the weight (W + s A^T B^T) costs one small matmul and saves the two
             // output-sized tensors (adapter output and sum) that backward would keep. Only in
             // the master dtype: rounded to half precision, W would swallow a small update.
             Some(lora) if !self.weight_frozen && x.dtype() == self.weight.dtype() => {
                 let merged = (&self.weight + lora.delta_weight()?)?;
-                ops::linear_bias(&x2, &merged, &self.bias)?
+                ops::linear_bias(x, &merged, &self.bias)
             }
-            Some(lora) => (ops::linear_bias(&x2, &param(&self.weight)?, &param(&self.bias)?)? + lora.forward(&x2)?)?,
-            None => ops::linear_bias(&x2, &param(&self.weight)?, &param(&self.bias)?)?,
-        };
-        out_dims.push(y.dim(1)?);
-        y.reshape(out_dims)
+            Some(lora) => ops::linear_bias(x, &param(&self.weight)?, &param(&self.bias)?)? + lora.forward(x)?,
+            None => ops::linear_bias(x, &param(&self.weight)?, &param(&self.bias)?),
+        }
     }
 }
 
@@ -135,10 +132,10 @@ impl Attention {
         })
     }
 
-    /// Causal self-attention. Right padding needs no extra mask: a real token only ever
-    /// attends to earlier positions, which are real too.
-    fn forward(&self, x: &Tensor) -> CResult<Tensor> {
-        let y = ops::causal_self_attention(&self.c_attn.forward(x)?, self.n_head, self.master)?;
+    /// Causal self-attention over `x: [batch * seq_len, d]`. Right padding needs no extra
+    /// mask: a real token only ever attends to earlier positions, which are real too.
+    fn forward(&self, x: &Tensor, seq_len: usize) -> CResult<Tensor> {
+        let y = ops::causal_self_attention(&self.c_attn.forward(x)?, seq_len, self.n_head, self.master)?;
         self.c_proj.forward(&y)
     }
 }
@@ -184,8 +181,9 @@ impl Block {
         })
     }
 
-    fn forward(&self, x: &Tensor) -> CResult<Tensor> {
-        let x = (x + self.attn.forward(&self.ln_1.forward(x)?)?)?;
+    /// `x: [batch * seq_len, d]`.
+    fn forward(&self, x: &Tensor, seq_len: usize) -> CResult<Tensor> {
+        let x = (x + self.attn.forward(&self.ln_1.forward(x)?, seq_len)?)?;
         &x + self.mlp.forward(&self.ln_2.forward(&x)?)?
     }
 }
@@ -268,11 +266,13 @@ impl Gpt2 {
         };
         let tokens = tokens.reshape((b, t, d))?;
         let positions = self.wpe.narrow(0, 0, t)?;
-        let mut x = tokens.to_dtype(self.compute)?.broadcast_add(&positions.to_dtype(self.compute)?)?;
+        let x = tokens.to_dtype(self.compute)?.broadcast_add(&positions.to_dtype(self.compute)?)?;
+        // The blocks run on rows [b * t, d]; see `Conv1D::forward`.
+        let mut x = x.reshape((b * t, d))?;
         for block in &self.h {
-            x = block.forward(&x)?;
+            x = block.forward(&x, t)?;
         }
-        Ok(self.ln_f.forward(&x)?)
+        Ok(self.ln_f.forward(&x)?.reshape((b, t, d))?)
     }
 
     /// Logits `[n, vocab]` for hidden states `[n, n_embd]`, in the master dtype: the

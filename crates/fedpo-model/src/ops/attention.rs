@@ -44,12 +44,16 @@ struct Dims {
 }
 
 impl Dims {
-    fn of(l: &Layout, n_head: usize, what: &str) -> CResult<Self> {
-        let (batch, t, three_d) = l.shape().dims3()?;
+    /// From a `[batch * t, 3d]` projection of sequences of `t` tokens.
+    fn of(l: &Layout, t: usize, n_head: usize, what: &str) -> CResult<Self> {
+        let (rows, three_d) = l.shape().dims2()?;
         if n_head == 0 || three_d % (3 * n_head) != 0 {
             candle_core::bail!("{what}: last dimension {three_d} is not 3 x n_head ({n_head}) x head_dim");
         }
-        Ok(Self { batch, t, n_head, head_dim: three_d / (3 * n_head) })
+        if t == 0 || rows % t != 0 {
+            candle_core::bail!("{what}: {rows} rows are not whole sequences of {t} tokens");
+        }
+        Ok(Self { batch: rows / t, t, n_head, head_dim: three_d / (3 * n_head) })
     }
 
     fn d(&self) -> usize {
@@ -163,6 +167,7 @@ fn backward_cpu<T: FastExp>(qkv: &[T], dy: &[T], dims: Dims) -> Vec<T> {
 }
 
 struct CausalAttention {
+    seq_len: usize,
     n_head: usize,
 }
 
@@ -172,17 +177,19 @@ impl CustomOp1 for CausalAttention {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> CResult<(CpuStorage, Shape)> {
-        let dims = Dims::of(l, self.n_head, self.name())?;
+        let dims = Dims::of(l, self.seq_len, self.n_head, self.name())?;
         let out = map_float_storage!(s, self.name(), T => forward_cpu::<T>(contiguous_slice(s, l, self.name())?, dims));
-        Ok((out, Shape::from((dims.batch, dims.t, dims.d()))))
+        Ok((out, Shape::from((dims.batch * dims.t, dims.d()))))
     }
 
     fn bwd(&self, qkv: &Tensor, _res: &Tensor, grad: &Tensor) -> CResult<Option<Tensor>> {
-        Ok(Some(qkv.apply_op2_no_bwd(&grad.contiguous()?, &CausalAttentionBackward { n_head: self.n_head })?))
+        let backward = CausalAttentionBackward { seq_len: self.seq_len, n_head: self.n_head };
+        Ok(Some(qkv.apply_op2_no_bwd(&grad.contiguous()?, &backward)?))
     }
 }
 
 struct CausalAttentionBackward {
+    seq_len: usize,
     n_head: usize,
 }
 
@@ -192,8 +199,8 @@ impl CustomOp2 for CausalAttentionBackward {
     }
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> CResult<(CpuStorage, Shape)> {
-        let (name, dims) = (self.name(), Dims::of(l1, self.n_head, self.name())?);
-        if l2.shape().dims() != [dims.batch, dims.t, dims.d()] {
+        let (name, dims) = (self.name(), Dims::of(l1, self.seq_len, self.n_head, self.name())?);
+        if l2.shape().dims() != [dims.batch * dims.t, dims.d()] {
             candle_core::bail!("{name}: gradient of shape {:?} for attention output {:?}", l2.shape(), dims);
         }
         let out = map_float_storage!(s1, name, T =>
@@ -202,26 +209,37 @@ impl CustomOp2 for CausalAttentionBackward {
     }
 }
 
-/// Causal multi-head self-attention `[b, t, d]` from the fused projection
-/// `qkv: [b, t, 3d]` (queries, keys, values, each `n_head` heads of `d / n_head`), with
-/// the heads merged back in order. One fused op on the CPU in f32 and f64; elsewhere, and
-/// in half precision, the composed ops in `dtype` (the softmax's).
-pub fn causal_self_attention(qkv: &Tensor, n_head: usize, softmax_dtype: candle_core::DType) -> CResult<Tensor> {
+/// Causal multi-head self-attention over sequences of `seq_len` tokens: `[b * t, d]` from
+/// the fused projection `qkv: [b * t, 3d]` (queries, keys, values, each `n_head` heads of
+/// `d / n_head`), with the heads merged back in order. Rows, not `[b, t, ..]`: the model
+/// keeps its residual stream 2-D, because every reshape is a node whose backward sums its
+/// gradient into a fresh zero tensor. One fused op on the CPU in f32 and f64; elsewhere,
+/// and in half precision, the composed ops with the softmax in `softmax_dtype`.
+pub fn causal_self_attention(
+    qkv: &Tensor,
+    seq_len: usize,
+    n_head: usize,
+    softmax_dtype: candle_core::DType,
+) -> CResult<Tensor> {
     if qkv.device().is_cpu() && full_precision(qkv) && qkv.dtype() == softmax_dtype {
-        return qkv.contiguous()?.apply_op1(CausalAttention { n_head });
+        return qkv.contiguous()?.apply_op1(CausalAttention { seq_len, n_head });
     }
-    causal_self_attention_composed(qkv, n_head, softmax_dtype)
+    causal_self_attention_composed(qkv, seq_len, n_head, softmax_dtype)
 }
 
 /// The composed version: the fallback, and the fused op's reference.
 pub fn causal_self_attention_composed(
     qkv: &Tensor,
+    seq_len: usize,
     n_head: usize,
     softmax_dtype: candle_core::DType,
 ) -> CResult<Tensor> {
-    let (b, t, three_d) = qkv.dims3()?;
-    let d = three_d / 3;
-    let head_dim = d / n_head;
+    let (rows, three_d) = qkv.dims2()?;
+    let (t, d) = (seq_len, three_d / 3);
+    if t == 0 || rows % t != 0 {
+        candle_core::bail!("causal-attention: {rows} rows are not whole sequences of {t} tokens");
+    }
+    let (b, head_dim) = (rows / t, d / n_head);
     // One copy per head tensor: the reshape is a view of the contiguous projection, and
     // only the transpose to [b, head, t, head_dim] copies.
     let qkv = qkv.reshape((b, t, 3, n_head, head_dim))?;
@@ -229,7 +247,7 @@ pub fn causal_self_attention_composed(
     let (q, k, v) = (split(0)?, split(1)?, split(2)?);
     let scores = q.matmul(&k.t()?)?.to_dtype(softmax_dtype)?;
     let probs = super::causal_softmax(&scores, 1.0 / (head_dim as f64).sqrt())?.to_dtype(v.dtype())?;
-    probs.matmul(&v)?.transpose(1, 2)?.reshape((b, t, d))
+    probs.matmul(&v)?.transpose(1, 2)?.reshape((rows, d))
 }
 
 #[cfg(test)]
@@ -242,10 +260,10 @@ mod tests {
     fn fused_attention_matches_the_composed_ops_in_value_and_gradient() {
         for (batch, t, n_head, head_dim) in [(2, 5, 2, 4), (1, 9, 3, 2), (3, 1, 1, 6)] {
             let d = n_head * head_dim;
-            let qkv = Var::from_tensor(&randn(&[batch, t, 3 * d], 51)).unwrap();
-            let upstream = randn(&[batch, t, d], 52);
-            let fused = causal_self_attention(qkv.as_tensor(), n_head, DType::F64).unwrap();
-            let composed = causal_self_attention_composed(qkv.as_tensor(), n_head, DType::F64).unwrap();
+            let qkv = Var::from_tensor(&randn(&[batch * t, 3 * d], 51)).unwrap();
+            let upstream = randn(&[batch * t, d], 52);
+            let fused = causal_self_attention(qkv.as_tensor(), t, n_head, DType::F64).unwrap();
+            let composed = causal_self_attention_composed(qkv.as_tensor(), t, n_head, DType::F64).unwrap();
             assert!(max_abs_diff(&fused, &composed) < 1e-12, "{batch} x {t}, {n_head} heads");
             let g_fused = (fused * &upstream).unwrap().sum_all().unwrap().backward().unwrap();
             let g_comp = (composed * &upstream).unwrap().sum_all().unwrap().backward().unwrap();
@@ -257,22 +275,25 @@ mod tests {
     #[test]
     fn a_token_attends_only_to_itself_and_earlier_tokens() {
         // changing the last token's q, k and v leaves every earlier output unchanged
-        let qkv = randn(&[1, 6, 3 * 4], 53);
-        let changed = qkv.slice_assign(&[0..1, 5..6, 0..12], &randn(&[1, 1, 12], 54)).unwrap();
-        let a = causal_self_attention(&qkv, 2, DType::F64).unwrap();
-        let b = causal_self_attention(&changed, 2, DType::F64).unwrap();
-        assert!(max_abs_diff(&a.narrow(1, 0, 5).unwrap(), &b.narrow(1, 0, 5).unwrap()) == 0.0);
-        assert!(max_abs_diff(&a.narrow(1, 5, 1).unwrap(), &b.narrow(1, 5, 1).unwrap()) > 1e-3);
+        // two sequences of 6: changing token 5 of the first leaves its earlier outputs and
+        // all of the second sequence unchanged
+        let qkv = randn(&[12, 3 * 4], 53);
+        let changed = qkv.slice_assign(&[5..6, 0..12], &randn(&[1, 12], 54)).unwrap();
+        let a = causal_self_attention(&qkv, 6, 2, DType::F64).unwrap();
+        let b = causal_self_attention(&changed, 6, 2, DType::F64).unwrap();
+        assert!(max_abs_diff(&a.narrow(0, 0, 5).unwrap(), &b.narrow(0, 0, 5).unwrap()) == 0.0);
+        assert!(max_abs_diff(&a.narrow(0, 6, 6).unwrap(), &b.narrow(0, 6, 6).unwrap()) == 0.0);
+        assert!(max_abs_diff(&a.narrow(0, 5, 1).unwrap(), &b.narrow(0, 5, 1).unwrap()) > 1e-3);
     }
 
     #[test]
     fn f32_attention_and_its_gradient_track_f64() {
-        let qkv64 = randn(&[2, 64, 3 * 32], 55);
-        let upstream = randn(&[2, 64, 32], 56);
+        let qkv64 = randn(&[2 * 64, 3 * 32], 55);
+        let upstream = randn(&[2 * 64, 32], 56);
         let exact = Var::from_tensor(&qkv64).unwrap();
         let ours = Var::from_tensor(&qkv64.to_dtype(DType::F32).unwrap()).unwrap();
-        let y64 = causal_self_attention(exact.as_tensor(), 4, DType::F64).unwrap();
-        let y32 = causal_self_attention(ours.as_tensor(), 4, DType::F32).unwrap();
+        let y64 = causal_self_attention(exact.as_tensor(), 64, 4, DType::F64).unwrap();
+        let y32 = causal_self_attention(ours.as_tensor(), 64, 4, DType::F32).unwrap();
         assert!(max_abs_diff(&y32.to_dtype(DType::F64).unwrap(), &y64) < 1e-5);
         let g64 = (y64 * &upstream).unwrap().sum_all().unwrap().backward().unwrap();
         let up32 = upstream.to_dtype(DType::F32).unwrap();
@@ -284,8 +305,11 @@ mod tests {
 
     #[test]
     fn attention_refuses_a_projection_that_is_not_three_heads_wide() {
-        let qkv = Tensor::zeros((1, 4, 10), DType::F32, &candle_core::Device::Cpu).unwrap();
-        let err = causal_self_attention(&qkv, 2, DType::F32).unwrap_err().to_string();
+        let qkv = Tensor::zeros((4, 10), DType::F32, &candle_core::Device::Cpu).unwrap();
+        let err = causal_self_attention(&qkv, 4, 2, DType::F32).unwrap_err().to_string();
         assert!(err.contains("not 3 x n_head"), "{err}");
+        let qkv = Tensor::zeros((5, 12), DType::F32, &candle_core::Device::Cpu).unwrap();
+        let err = causal_self_attention(&qkv, 4, 2, DType::F32).unwrap_err().to_string();
+        assert!(err.contains("5 rows are not whole sequences of 4"), "{err}");
     }
 }
