@@ -14,8 +14,10 @@
 //! - [`TiedGradient`]: the embedding lookup and the tied head (alone, or fused with the
 //!   target tokens' log-probabilities), adding into one gradient buffer.
 //!
-//! f32 kernels run on [`fast_math`]'s vectorised `exp`/`tanh`; f64 ones keep libm and are
-//! the reference. Each kernel falls back to composed candle ops off the CPU and in half
+//! f32 kernels run on [`fast_math`]'s vectorised `exp`, their inner loops compiled for
+//! AVX-512, AVX2 or the baseline and picked at run time ([`multiversion`]); f64 ones keep
+//! libm and are the reference. Matmuls whose operands are views go to gemm with strides
+//! ([`dense`]). Each kernel falls back to composed candle ops off the CPU and in half
 //! precision.
 
 /// One body for f32 and f64 CPU storages: `$T` names the element type inside `$body`, whose
