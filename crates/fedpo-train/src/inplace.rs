@@ -21,6 +21,13 @@ fn range(l: &Layout, what: &str) -> CResult<(usize, usize)> {
 /// vanishes, small enough that both cores get work on the smallest trained tensors.
 const CHUNK: usize = 64 * 1024;
 
+fn same_length(what: &str, src: usize, dst: usize) -> CResult<()> {
+    if src != dst {
+        bail!("{what}: {src} source values for {dst} destination values");
+    }
+    Ok(())
+}
+
 /// Applies `f(dst, src...)` element-wise over f32 or f64 storages, in parallel chunks.
 /// Sources must have the destination's length.
 macro_rules! zip_storages {
@@ -31,9 +38,7 @@ macro_rules! zip_storages {
             CpuStorage::F32(dv) => {
                 let dv = &mut dv[d0..d1];
                 $(let $s = { let (a, b) = range($sl, $name)?; &$src.as_slice::<f32>()?[a..b] };
-                  if $s.len() != dv.len() {
-                      bail!("{}: {} source values for {} destination values", $name, $s.len(), dv.len());
-                  })+
+                  same_length($name, $s.len(), dv.len())?;)+
                 dv.par_chunks_mut(CHUNK).enumerate().for_each(|(c, dv)| {
                     $(let $s = &$s[c * CHUNK..c * CHUNK + dv.len()];)+
                     for (i, $d) in dv.iter_mut().enumerate() {
@@ -46,9 +51,7 @@ macro_rules! zip_storages {
             CpuStorage::F64(dv) => {
                 let dv = &mut dv[d0..d1];
                 $(let $s = { let (a, b) = range($sl, $name)?; &$src.as_slice::<f64>()?[a..b] };
-                  if $s.len() != dv.len() {
-                      bail!("{}: {} source values for {} destination values", $name, $s.len(), dv.len());
-                  })+
+                  same_length($name, $s.len(), dv.len())?;)+
                 dv.par_chunks_mut(CHUNK).enumerate().for_each(|(c, dv)| {
                     $(let $s = &$s[c * CHUNK..c * CHUNK + dv.len()];)+
                     for (i, $d) in dv.iter_mut().enumerate() {

@@ -93,44 +93,56 @@ pub(super) fn matmul_nt<T: WithDType>(a: &[T], b: &[T], (m, n, k): (usize, usize
     Ok(out)
 }
 
-/// `a^T @ b` for row-major `a: [k, m]` and `b: [k, n]` into `dst: [m, n]`, added to it with
-/// `accumulate`: the embedding's gradient from the logits' gradient and the hidden states.
-pub(super) fn matmul_tn_into<T: WithDType>(
-    dst: &mut [T],
-    accumulate: bool,
-    a: &[T],
-    b: &[T],
-    (m, n, k): (usize, usize, usize),
-) -> CResult<()> {
+fn check_tn<T: WithDType>(a: &[T], b: &[T], dst_len: usize, (m, n, k): (usize, usize, usize)) -> CResult<()> {
     check_float::<T>("matmul-tn")?;
-    if a.len() != k * m || b.len() != k * n || dst.len() != m * n {
+    if a.len() != k * m || b.len() != k * n || dst_len != m * n {
         candle_core::bail!(
             "matmul-tn: {}, {} and {} values for [{k}, {m}]^T @ [{k}, {n}] into [{m}, {n}]",
             a.len(),
             b.len(),
-            dst.len()
+            dst_len
         );
     }
+    Ok(())
+}
+
+/// `dst (+)= a^T @ b` for row-major `a: [k, m]`, `b: [k, n]` and `dst: [m, n]`.
+///
+/// # Safety
+/// [`check_tn`] passed for these lengths, and `dst` holds `m * n` elements.
+unsafe fn tn_into<T: WithDType>(dst: *mut T, accumulate: bool, a: &[T], b: &[T], (m, n, k): (usize, usize, usize)) {
+    // SAFETY: the lengths fit (the caller's contract); a^T's (row, col) is a's (col, row).
+    unsafe { gemm_into((m, n, k), dst, n, accumulate, a.as_ptr(), (1, m), b.as_ptr(), (n, 1), T::one(), threads()) }
+}
+
+/// `a^T @ b` for row-major `a: [k, m]` and `b: [k, n]`: the embedding's gradient from the
+/// logits' gradient and the hidden states, written without a zero fill first.
+pub(super) fn matmul_tn<T: WithDType>(a: &[T], b: &[T], (m, n, k): (usize, usize, usize)) -> CResult<Vec<T>> {
+    check_tn(a, b, m * n, (m, n, k))?;
     if k == 0 {
-        if !accumulate {
-            dst.fill(T::zero());
-        }
-        return Ok(());
+        return Ok(vec![T::zero(); m * n]);
     }
-    // SAFETY: the lengths are checked above; a^T's (row, col) is a's (col, row).
+    let mut out: Vec<T> = Vec::with_capacity(m * n);
+    // SAFETY: checked above; without `accumulate` gemm writes every element of out and
+    // reads none, so the length can be set after it.
     unsafe {
-        gemm_into(
-            (m, n, k),
-            dst.as_mut_ptr(),
-            n,
-            accumulate,
-            a.as_ptr(),
-            (1, m),
-            b.as_ptr(),
-            (n, 1),
-            T::one(),
-            threads(),
-        );
+        tn_into(out.as_mut_ptr(), false, a, b, (m, n, k));
+        out.set_len(m * n);
+    }
+    Ok(out)
+}
+
+/// `dst += a^T @ b`, the product added by the matmul itself.
+pub(super) fn add_matmul_tn<T: WithDType>(
+    dst: &mut [T],
+    a: &[T],
+    b: &[T],
+    (m, n, k): (usize, usize, usize),
+) -> CResult<()> {
+    check_tn(a, b, dst.len(), (m, n, k))?;
+    if k > 0 {
+        // SAFETY: checked above.
+        unsafe { tn_into(dst.as_mut_ptr(), true, a, b, (m, n, k)) };
     }
     Ok(())
 }
@@ -148,12 +160,11 @@ impl CustomOp2 for MatmulTn {
         if k != k2 {
             candle_core::bail!("{}: [{k}, {m}]^T @ [{k2}, {n}] do not fit", self.name());
         }
-        let out = map_float_storage!(sa, self.name(), T => {
-            let (a, b) = (contiguous_slice::<T>(sa, la, self.name())?, contiguous_slice::<T>(sb, lb, self.name())?);
-            let mut out: Vec<T> = vec![T::from_f64(0.0); m * n];
-            matmul_tn_into(&mut out, false, a, b, (m, n, k))?;
-            out
-        });
+        let out = map_float_storage!(sa, self.name(), T => matmul_tn::<T>(
+            contiguous_slice(sa, la, self.name())?,
+            contiguous_slice(sb, lb, self.name())?,
+            (m, n, k),
+        )?);
         Ok((out, Shape::from((m, n))))
     }
 }
@@ -179,22 +190,21 @@ impl InplaceOp3 for AddMatmulTn {
         let Some((start, end)) = lacc.contiguous_offsets() else {
             candle_core::bail!("{}: the accumulator must be contiguous", self.name())
         };
+        let (name, dims) = (self.name(), (m, n, k));
         match sacc {
-            CpuStorage::F32(acc) => matmul_tn_into(
+            CpuStorage::F32(acc) => add_matmul_tn(
                 &mut acc[start..end],
-                true,
-                contiguous_slice::<f32>(sa, la, self.name())?,
-                contiguous_slice::<f32>(sb, lb, self.name())?,
-                (m, n, k),
+                contiguous_slice(sa, la, name)?,
+                contiguous_slice(sb, lb, name)?,
+                dims,
             ),
-            CpuStorage::F64(acc) => matmul_tn_into(
+            CpuStorage::F64(acc) => add_matmul_tn(
                 &mut acc[start..end],
-                true,
-                contiguous_slice::<f64>(sa, la, self.name())?,
-                contiguous_slice::<f64>(sb, lb, self.name())?,
-                (m, n, k),
+                contiguous_slice(sa, la, name)?,
+                contiguous_slice(sb, lb, name)?,
+                dims,
             ),
-            other => candle_core::bail!("{}: unsupported dtype {:?}", self.name(), other.dtype()),
+            other => candle_core::bail!("{}: unsupported dtype {:?}", name, other.dtype()),
         }
     }
 }
@@ -235,7 +245,7 @@ mod tests {
         let err = matmul_nt(&[1f32; 6], &[1f32; 5], (2, 2, 3)).unwrap_err().to_string();
         assert!(err.contains("6 and 5 values"), "{err}");
         let mut dst = [0f32; 4];
-        let err = matmul_tn_into(&mut dst, false, &[1f32; 6], &[1f32; 6], (2, 3, 3)).unwrap_err().to_string();
+        let err = add_matmul_tn(&mut dst, &[1f32; 6], &[1f32; 6], (2, 3, 3)).unwrap_err().to_string();
         assert!(err.contains("into [2, 3]"), "{err}");
         let err = matmul_nt(&[1u32; 1], &[1u32; 1], (1, 1, 1)).unwrap_err().to_string();
         assert!(err.contains("f32 and f64 only"), "{err}");

@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use candle_core::backend::BackendStorage;
 use candle_core::backprop::GradStore;
-use candle_core::{CpuStorage, CustomOp2, InplaceOp2, InplaceOp3, Layout, Shape, Tensor, WithDType};
+use candle_core::{CpuStorage, CustomOp2, InplaceOp3, Layout, Shape, Tensor, WithDType};
 
 use super::dense::{matmul_nt, AddMatmulTn, MatmulTn};
 use super::head_logprobs::HeadLogProbs;
@@ -179,8 +179,8 @@ pub(super) fn head_backward(slot: &Slot, hidden: &Tensor, wte: &Tensor, dlogits:
         let mut guard = slot.lock().unwrap_or_else(PoisonError::into_inner);
         match guard.as_ref() {
             // Added into the buffer by the matmul itself, or written straight into a new one.
-            Some(acc) if acc.is_contiguous() => acc.inplace_op3(&dlogits, &hidden, &AddMatmulTn)?,
-            Some(acc) => acc.inplace_op2(&dlogits.apply_op2_no_bwd(&hidden, &MatmulTn)?, &AddInPlace)?,
+            // (The buffer is always one this module made, so contiguous.)
+            Some(acc) => acc.inplace_op3(&dlogits, &hidden, &AddMatmulTn)?,
             None => *guard = Some(dlogits.apply_op2_no_bwd(&hidden, &MatmulTn)?),
         }
     }
@@ -189,25 +189,6 @@ pub(super) fn head_backward(slot: &Slot, hidden: &Tensor, wte: &Tensor, dlogits:
 
 fn add_slices<T: WithDType>(acc: &mut [T], src: &[T]) {
     acc.iter_mut().zip(src).for_each(|(a, &s)| *a += s);
-}
-
-/// `acc += src`, element-wise.
-struct AddInPlace;
-
-impl InplaceOp2 for AddInPlace {
-    fn name(&self) -> &'static str {
-        "add-in-place"
-    }
-
-    fn cpu_fwd(&self, sa: &mut CpuStorage, la: &Layout, ss: &CpuStorage, ls: &Layout) -> CResult<()> {
-        let Some((a0, a1)) = la.contiguous_offsets() else { candle_core::bail!("add-in-place: contiguous only") };
-        match sa {
-            CpuStorage::F32(acc) => add_slices(&mut acc[a0..a1], contiguous_slice(ss, ls, self.name())?),
-            CpuStorage::F64(acc) => add_slices(&mut acc[a0..a1], contiguous_slice(ss, ls, self.name())?),
-            other => candle_core::bail!("add-in-place: unsupported dtype {:?}", other.dtype()),
-        }
-        Ok(())
-    }
 }
 
 fn scatter_add_rows<T: WithDType>(acc: &mut [T], ids: &[u32], rows: &[T], d: usize) {
