@@ -1,8 +1,11 @@
 //! Round checkpoints: the global model as safetensors plus the server state as CBOR.
 //!
 //! The model is written first, then the state naming the model's SHA-256; both writes are
-//! atomic. A crash between the two leaves the previous state, whose hash no longer
-//! matches the model file, and resume refuses it rather than mixing rounds.
+//! atomic, and the model they replace stays beside them as `global.prev.safetensors`
+//! until the next round's. A crash between the two writes leaves the previous state with
+//! the previous model: resume finds the state's hash in the kept file, puts it back, and
+//! continues from the last round that completed. Rounds are never mixed: a model is only
+//! used with the state that names its hash.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -68,6 +71,12 @@ impl CheckpointDir {
         self.dir.join("global.safetensors")
     }
 
+    /// The model the last save replaced: what the state names if a crash came between
+    /// writing the model and writing the state.
+    pub(crate) fn previous_model_path(&self) -> PathBuf {
+        self.dir.join("global.prev.safetensors")
+    }
+
     pub(crate) fn state_path(&self) -> PathBuf {
         self.dir.join("state.cbor")
     }
@@ -78,7 +87,13 @@ impl CheckpointDir {
 
     pub(crate) fn save(&self, model: &GlobalModel, state: &ServerState) -> Result<()> {
         std::fs::create_dir_all(&self.dir).with_context(|| format!("creating {}", self.dir.display()))?;
-        model.save(&self.model_path())?;
+        let (path, previous) = (self.model_path(), self.previous_model_path());
+        let keep_previous = |_: &Path| match std::fs::rename(&path, &previous) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()), // the first round
+            Err(e) => Err(e),
+        };
+        model.save_replacing(&path, keep_previous)?;
         let bytes = serde_cbor::to_vec(state).context("encoding server state")?;
         write_atomic(&self.state_path(), &bytes).with_context(|| format!("writing {}", self.state_path().display()))
     }
@@ -91,17 +106,33 @@ impl CheckpointDir {
         if state.format != STATE_FORMAT {
             bail!("{}: format `{}`, expected `{STATE_FORMAT}`", path.display(), state.format);
         }
-        let model = GlobalModel::load(&self.model_path())?;
-        let sha = model.sha256_hex();
-        if sha != state.global_sha256 {
-            bail!(
-                "{} does not match {} (model {sha}, state expects {}): the last checkpoint was interrupted",
-                self.model_path().display(),
+        let (current, previous) = (self.model_path(), self.previous_model_path());
+        let model = GlobalModel::load(&current).ok().filter(|m| m.sha256_hex() == state.global_sha256);
+        if let Some(model) = model {
+            return Ok((model, state));
+        }
+        // Interrupted between the model and the state: the state's model is the kept one.
+        // Put it back, so that the next save keeps it again rather than the torn round.
+        let kept = previous.exists().then(|| GlobalModel::load(&previous)).transpose()?;
+        match kept {
+            Some(model) if model.sha256_hex() == state.global_sha256 => {
+                tracing::warn!(
+                    round = state.round,
+                    "the last checkpoint was interrupted before its state was written; resuming from round {}",
+                    state.round
+                );
+                std::fs::rename(&previous, &current)
+                    .with_context(|| format!("restoring {} as {}", previous.display(), current.display()))?;
+                Ok((model, state))
+            }
+            _ => bail!(
+                "neither {} nor {} is the model {} expects (SHA-256 {}): the checkpoint is damaged",
+                current.display(),
+                previous.display(),
                 path.display(),
                 state.global_sha256
-            );
+            ),
         }
-        Ok((model, state))
     }
 }
 
@@ -151,15 +182,39 @@ mod tests {
         assert_eq!(st, state(&m, 3));
     }
 
+    /// A crash after round 4's model replaced round 3's but before round 4's state.
+    fn crash_between_model_and_state(ckpt: &CheckpointDir) {
+        let path = ckpt.model_path();
+        model(0.75).save_replacing(&path, |p| std::fs::rename(p, ckpt.previous_model_path())).unwrap();
+    }
+
     #[test]
-    fn model_file_from_another_round_than_the_state_is_refused() {
+    fn crash_between_the_model_and_the_state_resumes_from_the_last_complete_round() {
         let dir = tempfile::tempdir().unwrap();
         let ckpt = CheckpointDir::new(dir.path());
-        let old = model(0.5);
-        ckpt.save(&old, &state(&old, 3)).unwrap();
-        // A crash after writing round 4's model but before its state.
-        model(0.75).save(&ckpt.model_path()).unwrap();
+        let (round2, round3) = (model(0.25), model(0.5));
+        ckpt.save(&round2, &state(&round2, 2)).unwrap();
+        ckpt.save(&round3, &state(&round3, 3)).unwrap();
+        crash_between_model_and_state(&ckpt);
+        let (back, st) = ckpt.load().unwrap();
+        assert_eq!((back.tensors, st.round), (round3.tensors.clone(), 3), "round 3, as its state says");
+        // Restored in place: the next round's save keeps round 3, and a crash in it again
+        // still leaves a checkpoint to resume from.
+        assert_eq!(GlobalModel::load(&ckpt.model_path()).unwrap().sha256_hex(), round3.sha256_hex());
+        crash_between_model_and_state(&ckpt);
+        assert_eq!(ckpt.load().unwrap().1.round, 3);
+    }
+
+    #[test]
+    fn model_files_that_neither_match_the_state_are_refused_naming_both() {
+        let dir = tempfile::tempdir().unwrap();
+        let ckpt = CheckpointDir::new(dir.path());
+        let m = model(0.5);
+        ckpt.save(&m, &state(&m, 3)).unwrap();
+        crash_between_model_and_state(&ckpt);
+        model(0.9).save(&ckpt.previous_model_path()).unwrap(); // and the kept one lost too
         let err = ckpt.load().unwrap_err().to_string();
-        assert!(err.contains("interrupted") && err.contains("global.safetensors"), "{err}");
+        assert!(err.contains("global.safetensors") && err.contains("global.prev.safetensors"), "{err}");
+        assert!(err.contains(&m.sha256_hex()) && err.contains("damaged"), "{err}");
     }
 }

@@ -9,9 +9,9 @@ use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 use candle_core::Device;
-use fedpo_model::io::{read_safetensors, write_safetensors_views};
+use fedpo_model::io::{read_safetensors, write_safetensors_views_replacing};
 use fedpo_model::{ParamRole, Policy, PolicySpec};
-use fedpo_wire::{EncodedPayload, TensorPayload, ToWire, WireDType, DEFAULT_CHUNK_BYTES};
+use fedpo_wire::{EncodedPayload, ToWire, UpdateCodec, DEFAULT_CHUNK_BYTES};
 
 /// One tensor of the global model (also the shape of server-side vectors such as
 /// SCAFFOLD's control variate).
@@ -100,14 +100,11 @@ impl GlobalModel {
         self.tensors.iter().filter(|t| t.shared)
     }
 
-    /// The wire payload (f32, so devices start from exactly these values).
-    pub(crate) fn payload(&self) -> TensorPayload {
-        TensorPayload::encode(&self.tensors, WireDType::F32)
-    }
-
-    /// The wire bytes devices receive, in chunks, with their SHA-256.
+    /// The wire bytes devices receive, in chunks, with their SHA-256: the model as a
+    /// payload in f32 (so devices start from exactly these values), written from the
+    /// tensors' own buffers.
     pub(crate) fn encode(&self) -> EncodedPayload {
-        EncodedPayload::new(&self.payload(), DEFAULT_CHUNK_BYTES)
+        EncodedPayload::compress(&self.tensors, UpdateCodec::F32, DEFAULT_CHUNK_BYTES)
     }
 
     /// SHA-256 (hex) of the wire payload: what devices verify.
@@ -116,7 +113,19 @@ impl GlobalModel {
     }
 
     /// Saves as safetensors (atomic), shared tensors marked in the metadata.
+    #[cfg(test)]
     pub(crate) fn save(&self, path: &Path) -> Result<()> {
+        self.save_replacing(path, |_| Ok(()))
+    }
+
+    /// Saves as safetensors (atomic), shared tensors marked in the metadata, calling
+    /// `before_replacing(path)` once the new file is written and synced, just before it
+    /// takes `path`'s place: a checkpoint moves the file it replaces aside there.
+    pub(crate) fn save_replacing(
+        &self,
+        path: &Path,
+        before_replacing: impl FnOnce(&Path) -> std::io::Result<()>,
+    ) -> Result<()> {
         let shared: Vec<&str> = self.shared().map(|t| t.name.as_str()).collect();
         let metadata = HashMap::from([
             ("format".to_string(), "fedpo-global/1".to_string()),
@@ -126,7 +135,8 @@ impl GlobalModel {
             ("order".to_string(), self.tensors.iter().map(|t| t.name.as_str()).collect::<Vec<_>>().join(",")),
         ]);
         let views = self.tensors.iter().map(|t| (t.name.as_str(), F32View(t)));
-        write_safetensors_views(path, views, metadata).with_context(|| format!("saving {}", path.display()))
+        write_safetensors_views_replacing(path, views, metadata, before_replacing)
+            .with_context(|| format!("saving {}", path.display()))
     }
 
     /// Loads what [`GlobalModel::save`] wrote.

@@ -408,12 +408,18 @@ impl Server {
         if let Some(signer) = &self.signer {
             signer.sign(&mut plan);
         }
+        let publishing = Instant::now();
         self.link.publish(&self.topics.down(), Message::Plan(plan).encode())?;
         for c in &open.chunks {
             open.bytes_down += c.bytes.len() as u64;
             self.link.publish(&self.topics.down(), Message::Chunk(c.clone()).encode())?;
         }
         open.published_at = Instant::now();
+        tracing::debug!(
+            chunks = open.chunks.len(),
+            seconds = format_args!("{:.3}", publishing.elapsed().as_secs_f64()),
+            "plan and model handed to the link"
+        );
         Ok(())
     }
 
@@ -460,6 +466,7 @@ impl Server {
                 tracing::warn!(updates, quorum = self.job.quorum, "quorum not met; the global model is unchanged");
                 Err(())
             };
+            let closing = Instant::now();
             if let Ok(sum) = combined {
                 let local = self.job.lr * f64::from(self.job.local_steps.max(1));
                 record.grad_norm = sum.mean_norm() / local;
@@ -478,12 +485,20 @@ impl Server {
                 self.spent_sum = Some(sum);
             }
             self.state.round = open.round;
+            let aggregated = Instant::now();
             let encoded = self.global.encode();
             self.state.global_sha256 = hex::encode(encoded.sha256());
             self.encoded_global = Some(encoded);
+            let encoded_at = Instant::now();
             self.state.strategy_state = self.strategy.state()?;
             self.state.client_term_state = self.client_term.state()?;
             self.checkpoints.save(&self.global, &self.state)?;
+            tracing::debug!(
+                aggregate_s = format_args!("{:.3}", (aggregated - closing).as_secs_f64()),
+                encode_s = format_args!("{:.3}", (encoded_at - aggregated).as_secs_f64()),
+                checkpoint_s = format_args!("{:.3}", encoded_at.elapsed().as_secs_f64()),
+                "round closed"
+            );
         }
         // Every record carries the privacy spent so far, evaluation rounds included.
         if let Some(acc) = &self.state.privacy {

@@ -15,8 +15,8 @@ use fedpo_data::{tokenize_pairs, PreferencePair, TokenizedPair};
 use fedpo_model::Gpt2Tokenizer;
 use fedpo_transport::{BrokerUrl, LinkEvent, LinkOptions, MqttLink, TlsFiles, Topics};
 use fedpo_wire::{
-    split_payload, Bundle, BundleBytes, BundleProgress, DeviceBye, DeviceHello, Limits, Message, PlanVerifier,
-    Residual, RoundPlan, TensorPayload, Update, WireDType, DEFAULT_CHUNK_BYTES,
+    split_payload, Bundle, BundleBytes, BundleProgress, DeviceBye, DeviceHello, EncodedPayload, Limits, Message,
+    PlanVerifier, Residual, RoundPlan, TensorPayload, Update, WireDType, DEFAULT_CHUNK_BYTES,
 };
 use thiserror::Error;
 
@@ -252,7 +252,8 @@ impl Participant {
     }
 
     fn event_loop(&mut self) -> Result<(), ParticipantError> {
-        let mut pending: Option<(RoundPlan, Bundle)> = None;
+        // The plan being received, its bundle, and when its first chunk was awaited.
+        let mut pending: Option<(RoundPlan, Bundle, Instant)> = None;
         let mut heard_aggregator = false;
         let mut last_hello = Instant::now();
         let mut connected_once = false;
@@ -340,7 +341,7 @@ impl Participant {
                     }
                     if pending
                         .as_ref()
-                        .is_some_and(|(p, _)| p.round == plan.round && p.global_model == plan.global_model)
+                        .is_some_and(|(p, _, _)| p.round == plan.round && p.global_model == plan.global_model)
                     {
                         // The same plan again, e.g. resent for another device; the keys
                         // may have been lost with it.
@@ -359,13 +360,18 @@ impl Participant {
                         bytes = plan.global_model.bytes,
                         "selected; receiving the model"
                     );
-                    pending = Some((plan, bundle));
+                    pending = Some((plan, bundle, Instant::now()));
                 }
                 Message::Chunk(chunk) => {
-                    let Some((_, bundle)) = pending.as_mut() else { continue };
+                    let Some((_, bundle, _)) = pending.as_mut() else { continue };
                     match bundle.accept(chunk) {
                         Ok(BundleProgress::Complete(bytes)) => {
-                            let (plan, _) = pending.take().expect("pending plan");
+                            let (plan, _, since) = pending.take().expect("pending plan");
+                            tracing::debug!(
+                                round = plan.round,
+                                seconds = format_args!("{:.3}", since.elapsed().as_secs_f64()),
+                                "model received"
+                            );
                             self.summary.bytes_down +=
                                 (bytes.main.len() + bytes.sections.values().map(Vec::len).sum::<usize>()) as u64;
                             // A round that cannot run (a model that does not fit, a
@@ -402,6 +408,7 @@ impl Participant {
     fn round(&mut self, plan: &RoundPlan, bytes: BundleBytes) -> Result<(), ParticipantError> {
         let span = tracing::info_span!("round", round = plan.round);
         let _enter = span.enter();
+        let decoding = Instant::now();
         let global = TensorPayload::from_bytes(&bytes.main, &self.limits, true)?;
         drop(bytes.main);
         let sections = bytes
@@ -409,6 +416,7 @@ impl Participant {
             .iter()
             .map(|(name, b)| Ok((name.clone(), TensorPayload::from_bytes(b, &self.limits, true)?)))
             .collect::<Result<_, ParticipantError>>()?;
+        tracing::debug!(seconds = format_args!("{:.3}", decoding.elapsed().as_secs_f64()), "model decoded");
         let sha = hex::encode(&plan.global_model.sha256);
         let mut progress = self.state.progress()?;
         let outcome = train_round(
@@ -439,24 +447,36 @@ impl Participant {
         if plan.secagg.is_some() && !outcome.delta.is_empty() {
             return self.secure_update(plan, &outcome.delta, sha, outcome.metrics, progress);
         }
+        let encoding = Instant::now();
         let codec = plan.update_codec;
-        let (mut payload, residual) = if codec.uses_error_feedback() {
+        let (encoded, residual) = if codec.uses_error_feedback() {
             let mut residual = self.state.residual(progress.last_round)?;
             let payload = residual.compress(&outcome.delta, codec);
             tracing::debug!(owed = format_args!("{:.4}", residual.norm()), %codec, "error feedback");
-            (payload, Some(residual))
+            (self.poisoned(payload), Some(residual))
+        } else if self.cfg.adversary.is_some() {
+            (self.poisoned(TensorPayload::compress(&outcome.delta, codec)), None)
         } else {
-            (TensorPayload::compress(&outcome.delta, codec), None)
+            // Straight from the delta's buffers into the chunks.
+            (EncodedPayload::compress(&outcome.delta, codec, DEFAULT_CHUNK_BYTES), None)
         };
-        if let Some(adversary) = &self.cfg.adversary {
-            payload = adversary.apply(&payload);
-        }
+        drop(outcome.delta);
         let sections = outcome
             .sections
             .iter()
             .map(|(name, tensors)| (name.clone(), TensorPayload::encode(tensors, WireDType::F32)))
             .collect();
-        self.send_update(plan.round, sha, payload, sections, outcome.metrics, progress, residual)
+        tracing::debug!(seconds = format_args!("{:.3}", encoding.elapsed().as_secs_f64()), %codec, "update encoded");
+        self.send_update(plan.round, sha, encoded, sections, outcome.metrics, progress, residual)
+    }
+
+    /// The chunks of an update payload, poisoned first in a simulation's adversary.
+    fn poisoned(&self, payload: TensorPayload) -> EncodedPayload {
+        let payload = match &self.cfg.adversary {
+            Some(adversary) => adversary.apply(&payload),
+            None => payload,
+        };
+        EncodedPayload::new(&payload, DEFAULT_CHUNK_BYTES)
     }
 
     /// Splits an update and its sections into chunks, saves it for resending, records the
@@ -473,15 +493,15 @@ impl Participant {
         &mut self,
         round: u64,
         global_sha256: String,
-        payload: TensorPayload,
+        encoded: EncodedPayload,
         sections: Vec<(String, TensorPayload)>,
         metrics: fedpo_wire::UpdateMetrics,
         mut progress: Progress,
         residual: Option<Residual>,
     ) -> Result<(), ParticipantError> {
+        let sending = Instant::now();
         let transfer = format!("r{round}/{}", self.cfg.id);
-        let (manifest, mut chunks) = split_payload(&transfer, &payload, DEFAULT_CHUNK_BYTES);
-        drop(payload);
+        let (manifest, mut chunks) = encoded.into_transfer(&transfer);
         let mut manifests = std::collections::BTreeMap::new();
         for (name, payload) in &sections {
             let (m, c) = split_payload(&format!("{transfer}/{name}"), payload, DEFAULT_CHUNK_BYTES);
@@ -528,7 +548,7 @@ impl Participant {
         self.sent_under = Some((round, self.plan_epoch, self.connection));
         recorded?;
         self.summary.rounds.push(round);
-        tracing::info!(round, "update sent");
+        tracing::info!(round, seconds = format_args!("{:.3}", sending.elapsed().as_secs_f64()), "update sent");
         Ok(())
     }
 }

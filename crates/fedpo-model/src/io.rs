@@ -139,10 +139,27 @@ where
     S: AsRef<str> + Ord + std::fmt::Display,
     V: safetensors::View,
 {
+    write_safetensors_views_replacing(path, tensors, metadata, |_| Ok(()))
+}
+
+/// Like [`write_safetensors_views`], calling `before_replacing(path)` once the new file is
+/// written and synced, just before it takes `path`'s place: a caller that must keep the
+/// file being replaced moves it aside there. If that fails, `path` is left as it was.
+pub fn write_safetensors_views_replacing<S, V>(
+    path: &Path,
+    tensors: impl IntoIterator<Item = (S, V)>,
+    metadata: HashMap<String, String>,
+    before_replacing: impl FnOnce(&Path) -> std::io::Result<()>,
+) -> Result<()>
+where
+    S: AsRef<str> + Ord + std::fmt::Display,
+    V: safetensors::View,
+{
     let tmp = temporary_beside(path)?;
     let written = safetensors::serialize_to_file(tensors, Some(metadata), &tmp)
         .map_err(std::io::Error::other)
-        .and_then(|()| File::open(&tmp)?.sync_all());
+        .and_then(|()| File::open(&tmp)?.sync_all())
+        .and_then(|()| before_replacing(path));
     commit_temporary(&tmp, path, written)
 }
 

@@ -57,7 +57,7 @@ impl Reassembler {
     /// Starts a transfer after checking its manifest against the limits.
     pub fn new(manifest: Manifest, limits: &Limits) -> Result<Self> {
         manifest.validate(limits)?;
-        let parts = Parts::memory(manifest.chunks as usize);
+        let parts = Parts::memory(&manifest.transfer, manifest.chunks as usize, manifest.bytes)?;
         Ok(Self::with_parts(manifest, parts))
     }
 

@@ -6,12 +6,15 @@
 //! CBOR into chunk-sized pieces as the serialiser produces it and hashes it on the way, so
 //! the pieces become the chunks as they are.
 
+use std::borrow::Cow;
 use std::io::Write;
 
+use serde::ser::{Serialize, SerializeSeq, Serializer};
 use sha2::{Digest, Sha256};
 
+use crate::codec::UpdateCodec;
 use crate::message::{Manifest, TensorInfo, TransferChunk};
-use crate::tensor::TensorPayload;
+use crate::tensor::{TensorPayload, ToWire, WireDType};
 
 /// A payload's wire bytes in pieces of at most `chunk_bytes`, with their SHA-256.
 #[derive(Debug, Clone, PartialEq)]
@@ -52,20 +55,87 @@ impl Write for PieceWriter {
     }
 }
 
+/// A [`TensorPayload`]'s serialised form, with each tensor encoded only when the serialiser
+/// reaches it: the same bytes as encoding the payload first (the field names and order are
+/// [`crate::WireTensor`]'s), with at most one tensor's encoding alive at a time.
+struct LazyPayload<'a, T> {
+    tensors: LazyTensors<'a, T>,
+}
+
+struct LazyTensors<'a, T> {
+    items: &'a [T],
+    codec: UpdateCodec,
+}
+
+/// One tensor's fields as [`crate::WireTensor`] serialises them.
+#[derive(serde::Serialize)]
+struct TensorFields<'a> {
+    name: &'a str,
+    dtype: WireDType,
+    shape: Vec<u64>,
+    #[serde(with = "serde_bytes")]
+    data: Cow<'a, [u8]>,
+}
+
+impl<T: ToWire> Serialize for LazyPayload<'_, T> {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        let mut s = serializer.serialize_struct("TensorPayload", 1)?;
+        s.serialize_field("tensors", &self.tensors)?;
+        s.end()
+    }
+}
+
+impl<T: ToWire> Serialize for LazyTensors<'_, T> {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let mut seq = serializer.serialize_seq(Some(self.items.len()))?;
+        for t in self.items {
+            let shape = t.wire_shape();
+            let data = match self.codec {
+                // f32 is the values' own little-endian bytes: written from where they lie.
+                UpdateCodec::F32 if cfg!(target_endian = "little") => {
+                    Cow::Borrowed(bytemuck::cast_slice(t.wire_values()))
+                }
+                codec => Cow::Owned(codec.encode(t.wire_name(), &shape, t.wire_values()).into_data()),
+            };
+            seq.serialize_element(&TensorFields { name: t.wire_name(), dtype: self.codec.dtype(), shape, data })?;
+        }
+        seq.end()
+    }
+}
+
 impl EncodedPayload {
     /// Encodes `payload` into pieces of `chunk_bytes` (at least 1) and hashes it.
     pub fn new(payload: &TensorPayload, chunk_bytes: usize) -> Self {
+        let tensors = payload
+            .tensors
+            .iter()
+            .map(|t| TensorInfo { name: t.name().to_string(), dtype: t.dtype(), shape: t.shape().to_vec() })
+            .collect();
+        Self::write(payload, tensors, chunk_bytes)
+    }
+
+    /// Encodes tensors with an update codec straight into pieces: the bytes of
+    /// `TensorPayload::compress` followed by [`EncodedPayload::new`], without the payload
+    /// in between. The aggregator encodes its model this way every round, and a device its
+    /// update: in f32 the values go from their own buffers into the pieces, so the only
+    /// model-sized allocation is the pieces themselves. Codecs with error feedback need the
+    /// payload itself ([`crate::Residual::compress`]).
+    pub fn compress<T: ToWire>(tensors: &[T], codec: UpdateCodec, chunk_bytes: usize) -> Self {
+        let infos = tensors
+            .iter()
+            .map(|t| TensorInfo { name: t.wire_name().to_string(), dtype: codec.dtype(), shape: t.wire_shape() })
+            .collect();
+        Self::write(&LazyPayload { tensors: LazyTensors { items: tensors, codec } }, infos, chunk_bytes)
+    }
+
+    fn write(payload: &impl Serialize, tensors: Vec<TensorInfo>, chunk_bytes: usize) -> Self {
         let mut w = PieceWriter { size: chunk_bytes.max(1), pieces: Vec::new(), hasher: Sha256::new(), len: 0 };
         // Writing to memory cannot fail, and every payload value serialises.
         let _ = serde_cbor::to_writer(&mut w, payload);
         if w.pieces.is_empty() {
             w.pieces.push(Vec::new());
         }
-        let tensors = payload
-            .tensors
-            .iter()
-            .map(|t| TensorInfo { name: t.name().to_string(), dtype: t.dtype(), shape: t.shape().to_vec() })
-            .collect();
         Self { pieces: w.pieces, len: w.len, sha256: w.hasher.finalize().to_vec(), tensors }
     }
 
@@ -120,6 +190,37 @@ mod tests {
         }
         fn wire_values(&self) -> &[f32] {
             &self.0
+        }
+    }
+
+    struct Named(&'static str, Vec<u64>, Vec<f32>);
+    impl ToWire for Named {
+        fn wire_name(&self) -> &str {
+            self.0
+        }
+        fn wire_shape(&self) -> Vec<u64> {
+            self.1.clone()
+        }
+        fn wire_values(&self) -> &[f32] {
+            &self.2
+        }
+    }
+
+    #[test]
+    fn compressing_straight_into_pieces_gives_the_bytes_of_the_payload_route_for_every_codec() {
+        let values = |n: usize, k: f32| (0..n).map(|i| ((i as f32) * k).sin() * 2.0).collect::<Vec<f32>>();
+        let tensors = [
+            Named("h.0.attn.c_attn.weight", vec![30, 70], values(2100, 0.37)),
+            Named("ln_f.bias", vec![5], values(5, 1.1)),
+            Named("empty", vec![0], Vec::new()),
+        ];
+        let codecs = [UpdateCodec::F32, UpdateCodec::Bf16, UpdateCodec::F16, UpdateCodec::Int8, UpdateCodec::TopK(0.1)];
+        for codec in codecs {
+            for chunk_bytes in [7, 1000, 1 << 20] {
+                let direct = EncodedPayload::compress(&tensors, codec, chunk_bytes);
+                let routed = EncodedPayload::new(&TensorPayload::compress(&tensors, codec), chunk_bytes);
+                assert_eq!(direct, routed, "{codec}, {chunk_bytes}-byte chunks");
+            }
         }
     }
 

@@ -97,6 +97,14 @@ pub enum WireError {
         /// What failed.
         reason: String,
     },
+    /// The memory for a transfer within the limits could not be reserved.
+    #[error("transfer `{transfer}`: cannot reserve {bytes} bytes of memory")]
+    OutOfMemory {
+        /// The transfer.
+        transfer: String,
+        /// What it needed.
+        bytes: u64,
+    },
     /// A field is out of its allowed range.
     #[error("invalid field `{field}`: {reason}")]
     InvalidField {

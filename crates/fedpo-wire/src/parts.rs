@@ -6,6 +6,7 @@
 //! each waiting chunk costs a few bytes of bookkeeping, and only the transfer being
 //! verified and folded is in memory.
 
+use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
@@ -14,8 +15,20 @@ use crate::error::{Result, WireError};
 
 /// The chunks received so far, by index.
 pub(crate) enum Parts {
-    Memory(Vec<Option<Vec<u8>>>),
+    Memory(MemoryParts),
     Spool(SpoolFile),
+}
+
+/// Chunks joined as they come: one MQTT connection delivers a transfer in order, so each
+/// chunk is appended to the payload and freed at once, and the complete payload needs no
+/// second, model-sized copy to join it. A chunk that arrives early waits until those
+/// before it are in.
+pub(crate) struct MemoryParts {
+    joined: Vec<u8>,
+    /// Chunks joined so far: indices below this one.
+    next: usize,
+    early: BTreeMap<usize, Vec<u8>>,
+    count: usize,
 }
 
 /// Chunks appended to a file as they come, with each one's place.
@@ -31,8 +44,16 @@ fn spool_err(path: &Path, e: impl std::fmt::Display) -> WireError {
 }
 
 impl Parts {
-    pub(crate) fn memory(count: usize) -> Self {
-        Self::Memory(vec![None; count])
+    /// In memory, for `count` chunks of `total` bytes together (a checked manifest's). The
+    /// space is reserved up front, so joining never reallocates; what was not reserved
+    /// cannot be touched, and a device without the memory says so instead of aborting.
+    pub(crate) fn memory(transfer: &str, count: usize, total: u64) -> Result<Self> {
+        let mut joined = Vec::new();
+        usize::try_from(total)
+            .ok()
+            .and_then(|n| joined.try_reserve_exact(n).ok())
+            .ok_or_else(|| WireError::OutOfMemory { transfer: transfer.to_string(), bytes: total })?;
+        Ok(Self::Memory(MemoryParts { joined, next: 0, early: BTreeMap::new(), count }))
     }
 
     /// A spool file for `count` chunks at `path` (created, truncated; removed on drop).
@@ -49,14 +70,25 @@ impl Parts {
 
     pub(crate) fn has(&self, index: usize) -> bool {
         match self {
-            Self::Memory(parts) => parts[index].is_some(),
+            Self::Memory(m) => index < m.next || m.early.contains_key(&index),
             Self::Spool(s) => s.at[index].is_some(),
         }
     }
 
     pub(crate) fn put(&mut self, index: usize, bytes: Vec<u8>) -> Result<()> {
         match self {
-            Self::Memory(parts) => parts[index] = Some(bytes),
+            Self::Memory(m) => {
+                if index != m.next {
+                    m.early.insert(index, bytes);
+                    return Ok(());
+                }
+                m.joined.extend_from_slice(&bytes);
+                m.next += 1;
+                while let Some(bytes) = m.early.remove(&m.next) {
+                    m.joined.extend_from_slice(&bytes);
+                    m.next += 1;
+                }
+            }
             Self::Spool(s) => {
                 s.file.seek(SeekFrom::Start(s.end)).map_err(|e| spool_err(&s.path, e))?;
                 s.file.write_all(&bytes).map_err(|e| spool_err(&s.path, e))?;
@@ -69,10 +101,16 @@ impl Parts {
 
     /// Every chunk in index order, as one buffer of `total` bytes; the parts start over.
     pub(crate) fn take_all(&mut self, total: usize) -> Result<Vec<u8>> {
-        let mut bytes = Vec::with_capacity(total);
         match self {
-            Self::Memory(parts) => parts.iter_mut().for_each(|p| bytes.extend(p.take().unwrap_or_default())),
+            // Every chunk is in (the caller counted them), so every one was joined.
+            Self::Memory(m) => {
+                debug_assert!(m.early.is_empty() && m.next == m.count);
+                m.next = 0;
+                m.early.clear();
+                Ok(std::mem::take(&mut m.joined))
+            }
             Self::Spool(s) => {
+                let mut bytes = Vec::with_capacity(total);
                 for (offset, len) in s.at.iter().flatten() {
                     let start = bytes.len();
                     bytes.resize(start + len, 0);
@@ -82,15 +120,19 @@ impl Parts {
                 s.at.iter_mut().for_each(|a| *a = None);
                 s.end = 0;
                 s.file.set_len(0).map_err(|e| spool_err(&s.path, e))?;
+                Ok(bytes)
             }
         }
-        Ok(bytes)
     }
 
     /// Forgets every chunk.
     pub(crate) fn clear(&mut self) -> Result<()> {
         match self {
-            Self::Memory(parts) => parts.iter_mut().for_each(|p| *p = None),
+            Self::Memory(m) => {
+                m.joined.clear();
+                m.next = 0;
+                m.early.clear();
+            }
             Self::Spool(s) => {
                 s.at.iter_mut().for_each(|a| *a = None);
                 s.end = 0;

@@ -152,3 +152,19 @@ fn a_transfer_that_falls_out_of_order_midway_is_still_verified_whole() {
         assert!(matches!(feed(&bad), Err(WireError::HashMismatch { .. })), "chunk {corrupt}");
     }
 }
+
+#[test]
+fn a_transfer_larger_than_memory_is_refused_naming_it_instead_of_aborting() {
+    // Limits that admit the manifest, so only the reservation can fail.
+    let limits = Limits { max_transfer_bytes: u64::MAX, max_chunk_bytes: 1 << 40, ..Limits::default() };
+    let m = Manifest {
+        transfer: "r1/global".into(),
+        bytes: 1 << 62,
+        chunks: 1 << 22,
+        sha256: vec![0; 32],
+        tensors: vec![],
+    };
+    let err = Reassembler::new(m, &limits).err().expect("4 EiB cannot be reserved");
+    assert!(matches!(err, WireError::OutOfMemory { bytes, .. } if bytes == 1 << 62), "{err}");
+    assert!(err.to_string().contains("r1/global"), "{err}");
+}

@@ -4,7 +4,10 @@
 
 use fedpo_model::SharedTensor;
 use fedpo_secagg::{Client, Party};
-use fedpo_wire::{Message, RoundPlan, SecAggMessage, SecAggPlan, TensorPayload, UpdateMetrics, WireTensor};
+use fedpo_wire::{
+    EncodedPayload, Message, RoundPlan, SecAggMessage, SecAggPlan, TensorPayload, UpdateMetrics, WireTensor,
+    DEFAULT_CHUNK_BYTES,
+};
 
 use super::{Participant, ParticipantError};
 use crate::state_dir::Progress;
@@ -135,7 +138,8 @@ impl Participant {
         let sharing = s.sharing.as_deref().unwrap_or_default();
         let words = s.client.masked_input(&trained.values, &s.settings.fixed_point, sharing)?;
         let payload = TensorPayload { tensors: vec![WireTensor::masked(&words)] };
+        let encoded = EncodedPayload::new(&payload, DEFAULT_CHUNK_BYTES);
         let round = s.round;
-        self.send_update(round, trained.global_sha256, payload, Vec::new(), trained.metrics, trained.progress, None)
+        self.send_update(round, trained.global_sha256, encoded, Vec::new(), trained.metrics, trained.progress, None)
     }
 }
