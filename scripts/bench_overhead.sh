@@ -7,6 +7,9 @@
 #   scripts/bench_overhead.sh [OUT] [LOCAL_STEPS...]      (default: runs/overhead 2 8 32)
 #
 # CODECS (default "f32 int8") sets the update codecs of the 2-step runs; longer runs use f32.
+# BROKER (e.g. mqtt://127.0.0.1:1883) runs through that broker instead of the embedded one.
+# Four rounds: the first two write each checkpoint slot for the first time (fresh page
+# cache pages, the slow case on a virtual machine), rounds 3 and 4 are the steady state.
 # The share is 1 - (slowest device's local training) / (round seconds), as in the README.
 # The learning rate is lowered to 0.01 so that 32 local steps stay finite on this tiny
 # data set (at 0.1 a device diverges and the round waits for its deadline); it does not
@@ -25,7 +28,7 @@ mkdir -p "$out"
 run() { # NAME LOCAL_STEPS CODEC
     local dir="$out/$1"
     rm -rf "$dir"
-    "$bin" simulate --model distilgpt2 --method feddpo --devices 2 --per-round 2 --rounds 3 \
+    "$bin" simulate ${BROKER:+--broker "$BROKER"} --model distilgpt2 --method feddpo --devices 2 --per-round 2 --rounds 4 \
         --train-pairs 8 --heldout-pairs 4 --batch-pairs 4 --local-steps "$2" --lr 0.01 --update-codec "$3" \
         --no-final-eval --out "$dir" > "$dir.log" 2>&1 || { echo "$1: failed, see $dir.log" >&2; return 0; }
     python3 - "$dir/metrics.jsonl" "$1" "$2" "$3" <<'PY'

@@ -9,7 +9,7 @@ use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 use candle_core::Device;
-use fedpo_model::io::{read_safetensors, write_safetensors_views_replacing};
+use fedpo_model::io::{overwrite_safetensors_views, read_safetensors};
 use fedpo_model::{ParamRole, Policy, PolicySpec};
 use fedpo_wire::{EncodedPayload, ToWire, UpdateCodec, DEFAULT_CHUNK_BYTES};
 
@@ -112,20 +112,10 @@ impl GlobalModel {
         hex::encode(self.encode().sha256())
     }
 
-    /// Saves as safetensors (atomic), shared tensors marked in the metadata.
-    #[cfg(test)]
-    pub(crate) fn save(&self, path: &Path) -> Result<()> {
-        self.save_replacing(path, |_| Ok(()))
-    }
-
-    /// Saves as safetensors (atomic), shared tensors marked in the metadata, calling
-    /// `before_replacing(path)` once the new file is written and synced, just before it
-    /// takes `path`'s place: a checkpoint moves the file it replaces aside there.
-    pub(crate) fn save_replacing(
-        &self,
-        path: &Path,
-        before_replacing: impl FnOnce(&Path) -> std::io::Result<()>,
-    ) -> Result<()> {
+    /// Writes the model as safetensors into `path` in place, shared tensors marked in the
+    /// metadata. Neither atomic nor synced: [`crate::checkpoint`] writes only a slot no
+    /// state names, and decides when it must be on disk.
+    pub(crate) fn overwrite_file(&self, path: &Path) -> Result<()> {
         let shared: Vec<&str> = self.shared().map(|t| t.name.as_str()).collect();
         let metadata = HashMap::from([
             ("format".to_string(), "fedpo-global/1".to_string()),
@@ -135,8 +125,8 @@ impl GlobalModel {
             ("order".to_string(), self.tensors.iter().map(|t| t.name.as_str()).collect::<Vec<_>>().join(",")),
         ]);
         let views = self.tensors.iter().map(|t| (t.name.as_str(), F32View(t)));
-        write_safetensors_views_replacing(path, views, metadata, before_replacing)
-            .with_context(|| format!("saving {}", path.display()))
+        overwrite_safetensors_views(path, views, metadata).with_context(|| format!("saving {}", path.display()))?;
+        Ok(())
     }
 
     /// Loads what [`GlobalModel::save`] wrote.

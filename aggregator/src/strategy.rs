@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 
-use crate::accumulator::WeightedSum;
+use crate::accumulator::{apply_scaled, WeightedSum};
 use crate::global_model::GlobalModel;
 
 /// A server-side federated optimisation strategy.
@@ -53,13 +53,9 @@ impl Strategy for FedAvg {
         let names: Vec<String> = global.shared().map(|t| t.name.clone()).collect();
         let mut sq = 0.0;
         for name in names {
-            let Some(mean) = updates.mean(&name) else { return Ok(0.0) };
+            let Some((sum, weight)) = updates.sum_of(&name) else { return Ok(0.0) };
             let t = global.get_mut(&name).expect("shared tensor");
-            for (v, d) in t.values.iter_mut().zip(mean) {
-                let step = self.server_lr * d;
-                sq += step * step;
-                *v = (f64::from(*v) + step) as f32;
-            }
+            sq += apply_scaled(&mut t.values, sum, self.server_lr / weight);
         }
         self.rounds += 1;
         Ok(sq.sqrt())

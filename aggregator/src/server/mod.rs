@@ -112,7 +112,7 @@ impl Server {
         job.validate()?;
         let topics = Topics::new(&job.job).map_err(anyhow::Error::msg)?;
         std::fs::create_dir_all(out)?;
-        let checkpoints = CheckpointDir::new(out);
+        let mut checkpoints = CheckpointDir::new(out);
         let mut strategy = job.build_strategy();
         check_out_dir(out, resume)?;
         // Updates in flight wait here, not in memory (a crash leaves only partial
@@ -155,6 +155,7 @@ impl Server {
                 bytes_down: 0,
                 client_term_state: Vec::new(),
                 privacy: None,
+                model_file: String::new(),
             };
             (global, state)
         };
@@ -228,6 +229,8 @@ impl Server {
             global_sha256: hex::decode(&self.state.global_sha256).unwrap_or_default(),
             finished: true,
         };
+        // Finished means resumable after a power cut too.
+        self.checkpoints.wait_durable()?;
         self.link.publish(&self.topics.down(), Message::Result(done).encode())?;
         self.link.flush(Duration::from_secs(30));
         summary.rounds = self.state.round;
@@ -412,7 +415,7 @@ impl Server {
         self.link.publish(&self.topics.down(), Message::Plan(plan).encode())?;
         for c in &open.chunks {
             open.bytes_down += c.bytes.len() as u64;
-            self.link.publish(&self.topics.down(), Message::Chunk(c.clone()).encode())?;
+            self.link.publish(&self.topics.down(), Message::encode_chunk(c))?;
         }
         open.published_at = Instant::now();
         tracing::debug!(

@@ -40,15 +40,62 @@ pub fn write_atomic_with(path: &Path, write: impl FnOnce(&mut dyn Write) -> std:
 /// file's cached pages are reused rather than a fresh set allocated for a temporary, which
 /// for a model-sized file every round is most of the cost of writing it.
 pub fn rewrite_in_place_with(path: &Path, write: impl FnOnce(&mut dyn Write) -> std::io::Result<()>) -> Result<()> {
-    let result = (|| -> std::io::Result<()> {
+    overwrite_with(path, write).and_then(|file| file.sync_all().map_err(|e| ModelError::io(path, e)))
+}
+
+/// [`rewrite_in_place_with`] without the sync, for a caller that syncs later (off its
+/// critical path) and keeps a synced copy of the previous content until then. Returns the
+/// file.
+pub fn overwrite_with(path: &Path, write: impl FnOnce(&mut dyn Write) -> std::io::Result<()>) -> Result<File> {
+    let result = (|| -> std::io::Result<File> {
         let file = fs::OpenOptions::new().write(true).create(true).truncate(false).open(path)?;
         let mut counted = CountingWriter { inner: std::io::BufWriter::with_capacity(1 << 20, file), written: 0 };
         write(&mut counted)?;
         let file = counted.inner.into_inner().map_err(|e| e.into_error())?;
         file.set_len(counted.written)?;
-        file.sync_all()
+        Ok(file)
     })();
     result.map_err(|e| ModelError::io(path, e))
+}
+
+/// Writes tensors given as safetensors views into `path` in place, not synced (see
+/// [`overwrite_with`]): the bytes [`safetensors::serialize`] produces, streamed from the
+/// views. The header is the crate's own `Metadata`, laid out as `serialize` lays it out
+/// (tensors by descending dtype alignment, then name; padded to 8 bytes with spaces).
+pub fn overwrite_safetensors_views<S, V>(
+    path: &Path,
+    tensors: impl IntoIterator<Item = (S, V)>,
+    metadata: HashMap<String, String>,
+) -> Result<File>
+where
+    S: AsRef<str> + Ord + std::fmt::Display,
+    V: safetensors::View,
+{
+    let header_err = |e: String| ModelError::io(path, std::io::Error::new(std::io::ErrorKind::InvalidInput, e));
+    let mut tensors: Vec<(S, V)> = tensors.into_iter().collect();
+    tensors.sort_by(|(a, left), (b, right)| right.dtype().cmp(&left.dtype()).then(a.cmp(b)));
+    let mut offset = 0;
+    let infos = tensors
+        .iter()
+        .map(|(name, t)| {
+            let end = offset + t.data_len();
+            let info = safetensors::tensor::TensorInfo {
+                dtype: t.dtype(),
+                shape: t.shape().to_vec(),
+                data_offsets: (offset, end),
+            };
+            offset = end;
+            (name.to_string(), info)
+        })
+        .collect();
+    let header = safetensors::tensor::Metadata::new(Some(metadata), infos).map_err(|e| header_err(e.to_string()))?;
+    let mut header = serde_json::to_vec(&header).map_err(|e| header_err(e.to_string()))?;
+    header.resize(header.len().next_multiple_of(8), b' ');
+    overwrite_with(path, |w| {
+        w.write_all(&(header.len() as u64).to_le_bytes())?;
+        w.write_all(&header)?;
+        tensors.iter().try_for_each(|(_, t)| w.write_all(&t.data()))
+    })
 }
 
 /// Counts the bytes that pass through, so [`rewrite_in_place_with`] can cut off what is
@@ -139,27 +186,10 @@ where
     S: AsRef<str> + Ord + std::fmt::Display,
     V: safetensors::View,
 {
-    write_safetensors_views_replacing(path, tensors, metadata, |_| Ok(()))
-}
-
-/// Like [`write_safetensors_views`], calling `before_replacing(path)` once the new file is
-/// written and synced, just before it takes `path`'s place: a caller that must keep the
-/// file being replaced moves it aside there. If that fails, `path` is left as it was.
-pub fn write_safetensors_views_replacing<S, V>(
-    path: &Path,
-    tensors: impl IntoIterator<Item = (S, V)>,
-    metadata: HashMap<String, String>,
-    before_replacing: impl FnOnce(&Path) -> std::io::Result<()>,
-) -> Result<()>
-where
-    S: AsRef<str> + Ord + std::fmt::Display,
-    V: safetensors::View,
-{
     let tmp = temporary_beside(path)?;
     let written = safetensors::serialize_to_file(tensors, Some(metadata), &tmp)
         .map_err(std::io::Error::other)
-        .and_then(|()| File::open(&tmp)?.sync_all())
-        .and_then(|()| before_replacing(path));
+        .and_then(|()| File::open(&tmp)?.sync_all());
     commit_temporary(&tmp, path, written)
 }
 
@@ -270,6 +300,53 @@ mod tests {
         assert_eq!(fs::read(&path).unwrap(), before);
         let names: Vec<_> = fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
         assert_eq!(names.len(), 1, "stray files: {names:?}");
+    }
+
+    /// Raw bytes under a dtype and shape.
+    struct Raw(safetensors::Dtype, Vec<usize>, Vec<u8>);
+    impl safetensors::View for &Raw {
+        fn dtype(&self) -> safetensors::Dtype {
+            self.0
+        }
+        fn shape(&self) -> &[usize] {
+            &self.1
+        }
+        fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+            std::borrow::Cow::Borrowed(&self.2)
+        }
+        fn data_len(&self) -> usize {
+            self.2.len()
+        }
+    }
+
+    #[test]
+    fn safetensors_overwritten_in_place_are_the_bytes_the_crate_serialises() {
+        use safetensors::Dtype::{BF16, F32, U8};
+        let tensors = [
+            ("z.weight", Raw(F32, vec![2, 3], (0..24).collect())),
+            ("a.bias", Raw(F32, vec![1], vec![1, 2, 3, 4])),
+            ("h.0.codes", Raw(U8, vec![3], vec![7, 8, 9])),
+            ("h.0.half", Raw(BF16, vec![2], vec![1, 0, 2, 0])),
+        ];
+        let meta = HashMap::from([("format".to_string(), "fedpo-global/1".to_string())]);
+        let expected = safetensors::serialize(tensors.iter().map(|(n, t)| (*n, t)), Some(meta.clone())).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("global-a.safetensors");
+        fs::write(&path, vec![0xAB; expected.len() + 100]).unwrap(); // a longer previous content
+        overwrite_safetensors_views(&path, tensors.iter().map(|(n, t)| (*n, t)), meta).unwrap();
+        assert_eq!(fs::read(&path).unwrap(), expected);
+        let back = read_safetensors(&path, &Device::Cpu).unwrap();
+        assert_eq!(back.tensors.tensors.len(), 4);
+    }
+
+    #[test]
+    fn a_refused_in_place_write_names_the_file_and_leaves_it_untouched() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("global-b.safetensors");
+        fs::write(&path, b"round 3").unwrap();
+        let err = overwrite_safetensors_views(&path, [("w", Mismatched)], HashMap::new()).unwrap_err();
+        assert!(err.to_string().contains("global-b.safetensors"), "{err}");
+        assert_eq!(fs::read(&path).unwrap(), b"round 3");
     }
 
     #[test]

@@ -302,8 +302,16 @@ impl Message {
     /// Encodes `Message::Chunk(chunk)` without copying the chunk first: a model or an
     /// update is hundreds of chunks, and each copy of them is a pass over the whole model.
     pub fn encode_chunk(chunk: &TransferChunk) -> Vec<u8> {
-        serde_cbor::to_vec(&EnvelopeRef { version: PROTOCOL_VERSION, message: &ChunkRef::Chunk(chunk) })
-            .unwrap_or_default()
+        // Sized for the chunk and its envelope: grown by doubling, each 1 MiB chunk would be
+        // copied several times on its way into the buffer.
+        let mut out = Vec::with_capacity(chunk.bytes.len() + chunk.transfer.len() + 64);
+        match serde_cbor::to_writer(
+            &mut out,
+            &EnvelopeRef { version: PROTOCOL_VERSION, message: &ChunkRef::Chunk(chunk) },
+        ) {
+            Ok(()) => out,
+            Err(_) => Vec::new(),
+        }
     }
 
     /// Decodes untrusted bytes: the size is checked before parsing, the version and every
