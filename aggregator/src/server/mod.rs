@@ -611,7 +611,18 @@ impl Server {
                     d.online = false;
                 }
             }
-            Message::Update(_) | Message::Chunk(_) | Message::SecAgg(_) if self.identities.is_conflicted(&device) => {}
+            Message::Update(_) | Message::Chunk(_) | Message::SecAgg(_) | Message::Declined(_)
+                if self.identities.is_conflicted(&device) => {}
+            Message::Declined(d) => match open {
+                Some(open) if d.device == device && d.round == open.round && open.selected.contains(&device) => {
+                    if !open.reported.contains_key(&device) && open.refused.insert(device.clone()) {
+                        tracing::warn!(%device, reason = %d.reason, "device sits this round out");
+                        open.transfers.remove(&device);
+                        open.rejected.insert(device, format!("declined: {}", d.reason));
+                    }
+                }
+                _ => tracing::debug!(%device, round = d.round, "a decline for no round of this device's; ignored"),
+            },
             Message::SecAgg(m) => {
                 if let Some(open) = open {
                     self.secure_message(open, &device, m);

@@ -16,7 +16,7 @@ use fedpo_model::Gpt2Tokenizer;
 use fedpo_transport::{BrokerUrl, LinkEvent, LinkOptions, MqttLink, TlsFiles, Topics};
 use fedpo_wire::{
     split_payload, Bundle, BundleBytes, BundleProgress, DeviceBye, DeviceHello, EncodedPayload, Limits, Message,
-    PlanVerifier, Residual, RoundPlan, TensorPayload, Update, WireDType, DEFAULT_CHUNK_BYTES,
+    PlanVerifier, Residual, RoundDeclined, RoundPlan, TensorPayload, Update, WireDType, DEFAULT_CHUNK_BYTES,
 };
 use thiserror::Error;
 
@@ -204,6 +204,16 @@ impl Participant {
         Ok(self.link.publish(&self.topics.up(&self.cfg.id), msg.encode())?)
     }
 
+    /// Tells the aggregator not to wait for this device's update this round.
+    fn decline(&self, round: u64, reason: &str) -> Result<(), ParticipantError> {
+        let mut end = reason.len().min(self.limits.max_name_len);
+        while !reason.is_char_boundary(end) {
+            end -= 1;
+        }
+        let reason = reason[..end].to_string();
+        self.send(&Message::Declined(RoundDeclined { device: self.cfg.id.clone(), round, reason }))
+    }
+
     fn hello(&self) -> Result<(), ParticipantError> {
         self.send(&Message::Hello(DeviceHello {
             device: self.cfg.id.clone(),
@@ -379,6 +389,7 @@ impl Participant {
                             // in the job and the aggregator's deadline moves on.
                             if let Err(e) = self.round(&plan, bytes) {
                                 tracing::error!(round = plan.round, error = %e, "round failed; waiting for the next plan");
+                                self.decline(plan.round, &e.to_string())?;
                             }
                         }
                         Ok(_) => {}
@@ -400,7 +411,7 @@ impl Participant {
                         tracing::error!(error = %e, "secure aggregation step failed");
                     }
                 }
-                Message::Hello(_) | Message::Update(_) | Message::Bye(_) => {}
+                Message::Hello(_) | Message::Update(_) | Message::Bye(_) | Message::Declined(_) => {}
             }
         }
     }

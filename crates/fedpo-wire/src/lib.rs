@@ -27,8 +27,8 @@ pub use encoded::EncodedPayload;
 pub use error::{Result, WireError};
 pub use limits::{Limits, DEFAULT_CHUNK_BYTES};
 pub use message::{
-    DeviceBye, DeviceHello, Hyperparameters, Manifest, Message, RoundPlan, RoundResult, TensorInfo, TransferChunk,
-    Update, UpdateMetrics, PROTOCOL_VERSION,
+    DeviceBye, DeviceHello, Hyperparameters, Manifest, Message, RoundDeclined, RoundPlan, RoundResult, TensorInfo,
+    TransferChunk, Update, UpdateMetrics, PROTOCOL_VERSION,
 };
 pub use secure::{SecAggMessage, SecAggPlan};
 pub use signing::{PlanSigner, PlanVerifier, SignatureError};

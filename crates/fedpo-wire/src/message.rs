@@ -47,6 +47,19 @@ pub struct DeviceBye {
     pub reason: String,
 }
 
+/// A selected device that cannot take part in a round (its training failed, for
+/// instance on a non-finite loss): the aggregator stops waiting for it this round instead
+/// of until the round's deadline. The device stays in the job.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RoundDeclined {
+    /// Device id.
+    pub device: String,
+    /// The round it declines.
+    pub round: u64,
+    /// Why, for the logs and the round's record.
+    pub reason: String,
+}
+
 /// Local training settings a round asks for.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Hyperparameters {
@@ -213,6 +226,8 @@ pub enum Message {
     Bye(DeviceBye),
     /// A secure-aggregation step.
     SecAgg(crate::secure::SecAggMessage),
+    /// A selected device sitting a round out.
+    Declined(RoundDeclined),
 }
 
 /// What a message decodes from; its `version` was checked first, on its own.
@@ -388,6 +403,10 @@ impl Message {
             Self::Bye(b) => {
                 check_name("device", &b.device, limits)?;
                 check_name("reason", &b.reason, limits)
+            }
+            Self::Declined(d) => {
+                check_name("device", &d.device, limits)?;
+                check_name("reason", &d.reason, limits)
             }
             Self::Result(r) => {
                 for d in &r.participants {

@@ -121,6 +121,11 @@ fn arb_message() -> impl Strategy<Value = Message> {
             }),
         (name(), "[ -~]{0,80}").prop_map(|(device, reason)| Message::Bye(DeviceBye { device, reason })),
         arb_secagg_message().prop_map(Message::SecAgg),
+        (name(), any::<u64>(), "[ -~]{0,80}").prop_map(|(device, round, reason)| Message::Declined(RoundDeclined {
+            device,
+            round,
+            reason
+        })),
     ]
 }
 

@@ -5,8 +5,8 @@ use std::time::{Duration, Instant};
 
 use fedpo_transport::{BrokerUrl, LinkEvent, LinkOptions, MqttLink, Topics};
 use fedpo_wire::{
-    split_payload, DeviceBye, DeviceHello, Limits, Message, RoundPlan, SecAggMessage, TensorPayload, ToWire,
-    TransferChunk, Update, UpdateMetrics, WireDType, DEFAULT_CHUNK_BYTES,
+    split_payload, DeviceBye, DeviceHello, Limits, Message, RoundDeclined, RoundPlan, SecAggMessage, TensorPayload,
+    ToWire, TransferChunk, Update, UpdateMetrics, WireDType, DEFAULT_CHUNK_BYTES,
 };
 
 /// A tensor the fake device makes up.
@@ -122,6 +122,12 @@ impl FakeDevice {
             last.bytes[middle] ^= 0x5a;
         }
         self.publish(update, chunks);
+    }
+
+    /// Declines the round, as a device whose training failed does.
+    pub fn decline(&self, plan: &RoundPlan, reason: &str) {
+        let declined = RoundDeclined { device: self.id.clone(), round: plan.round, reason: reason.into() };
+        self.link.publish(&self.topics.up(&self.id), Message::Declined(declined).encode()).unwrap();
     }
 
     /// Waits until everything published has been acknowledged by the broker.
