@@ -91,11 +91,7 @@ fn aggregator_restarted_with_resume_continues_at_the_next_round_from_the_checkpo
     assert_eq!(first_round, checkpoint_round + 1, "resumed at the round after the checkpoint");
     let plan = &resumed.plans[0];
     assert_eq!(hex::encode(&plan.global_model.sha256), checkpoint_sha, "resumed from the checkpointed model");
-    let records: Vec<serde_json::Value> = std::fs::read_to_string(out.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let records = common::metrics_records(&out);
     let resumed_record = records.iter().find(|r| r["round"] == first_round).unwrap();
     assert_eq!(resumed_record["participants"].as_array().unwrap().len(), 3, "{resumed_record}");
     let summary: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("summary.json")).unwrap()).unwrap();

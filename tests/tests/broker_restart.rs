@@ -98,11 +98,7 @@ fn a_broker_restarted_mid_round_loses_no_update_and_the_model_is_the_mean_of_the
     broker.kill().unwrap();
     let _ = broker.wait();
 
-    let records: Vec<serde_json::Value> = std::fs::read_to_string(out.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let records = common::metrics_records(&out);
     for r in &records {
         assert_eq!(r["participants"], serde_json::json!(["dev-0", "dev-1", "dev-2"]), "round {}", r["round"]);
     }

@@ -45,11 +45,7 @@ fn a_declined_round_closes_without_waiting_for_its_deadline() {
     let took = started.elapsed();
     assert!(took < Duration::from_secs(120), "two rounds took {took:?}: the aggregator waited for a deadline");
 
-    let records: Vec<serde_json::Value> = std::fs::read_to_string(out.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let records = common::metrics_records(&out);
     assert_eq!(records.len(), 2);
     for r in &records {
         assert_eq!(r["participants"], serde_json::json!(["dev-a", "dev-b"]), "round {}", r["round"]);

@@ -68,11 +68,7 @@ fn killed_device_is_left_out_of_its_round_and_rejoins_the_next_with_its_adapter(
         assert!(d.wait().unwrap().success(), "dev-{k} exits cleanly when the job ends");
     }
 
-    let records: Vec<serde_json::Value> = std::fs::read_to_string(out.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let records = common::metrics_records(&out);
     let participants = |round: u64| -> Vec<String> {
         let r = records.iter().find(|r| r["round"] == round).unwrap_or_else(|| panic!("round {round} recorded"));
         serde_json::from_value(r["participants"].clone()).unwrap()

@@ -86,11 +86,7 @@ fn two_devices_claiming_one_id_are_left_out_and_the_rounds_run_with_the_rest() {
         let _ = handle.join().unwrap();
     }
 
-    let records: Vec<serde_json::Value> = std::fs::read_to_string(out.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let records = common::metrics_records(&out);
     assert_eq!(records.len(), 2);
     for r in &records {
         assert_eq!(r["selected"], serde_json::json!(["dev-0", "dev-1"]), "round {}", r["round"]);

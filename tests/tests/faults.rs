@@ -73,11 +73,7 @@ fn duplicates_count_once_and_nan_late_or_corrupted_updates_change_nothing() {
     aggregator.join().unwrap().expect("the aggregator finishes the job");
     devices.into_iter().for_each(|d| d.join().unwrap());
 
-    let records: Vec<serde_json::Value> = std::fs::read_to_string(out.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let records = common::metrics_records(&out);
     let r1 = &records[0];
     assert_eq!(r1["participants"], serde_json::json!(["dev-0", "dev-1"]));
     let reason = r1["rejected"][FAKE].as_str().expect("the NaN update is recorded as rejected");

@@ -166,11 +166,7 @@ fn fleet_runs_through_mosquitto_with_mtls_and_a_device_cannot_publish_as_another
     assert!(!heard_payload(&forged_update), "the broker let dev-2 publish as dev-0");
     assert!(!heard_payload(&forged_plan), "the broker let dev-2 publish on the aggregator's topic");
 
-    let records: Vec<serde_json::Value> = std::fs::read_to_string(out.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let records = common::metrics_records(&out);
     let training: Vec<&serde_json::Value> = records.iter().filter(|r| r["evaluation"] == false).collect();
     assert_eq!(training.len(), 2, "both rounds ran");
     for r in training {

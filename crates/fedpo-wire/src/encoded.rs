@@ -180,19 +180,6 @@ mod tests {
     use super::*;
     use crate::tensor::{ToWire, WireDType};
 
-    struct T(Vec<f32>);
-    impl ToWire for T {
-        fn wire_name(&self) -> &str {
-            "h.0.mlp.c_fc.weight"
-        }
-        fn wire_shape(&self) -> Vec<u64> {
-            vec![self.0.len() as u64]
-        }
-        fn wire_values(&self) -> &[f32] {
-            &self.0
-        }
-    }
-
     struct Named(&'static str, Vec<u64>, Vec<f32>);
     impl ToWire for Named {
         fn wire_name(&self) -> &str {
@@ -226,7 +213,8 @@ mod tests {
 
     #[test]
     fn pieces_are_the_payload_bytes_cut_at_the_chunk_size_and_hashed_whole() {
-        let payload = TensorPayload::encode(&[T((0..10_000).map(|i| i as f32).collect())], WireDType::F32);
+        let values = (0..10_000).map(|i| i as f32).collect();
+        let payload = TensorPayload::encode(&[Named("h.0.mlp.c_fc.weight", vec![10_000], values)], WireDType::F32);
         let whole = payload.to_bytes();
         for chunk_bytes in [1, 7, 4096, whole.len(), whole.len() + 1] {
             let encoded = EncodedPayload::new(&payload, chunk_bytes);

@@ -127,6 +127,15 @@ pub fn tensor_values(p: &TensorPayload, name: &str) -> Vec<f32> {
     p.tensors.iter().find(|t| t.name() == name).unwrap_or_else(|| panic!("`{name}` in payload")).values()
 }
 
+/// Every round record an aggregator wrote to `out/metrics.jsonl`, in order.
+pub fn metrics_records(out: &std::path::Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
 /// `fedpo-aggregator serve` against `url` for a small job: `--freeze-embeddings`, 3
 /// devices per round, 4 pairs per step, plus `extra`.
 pub fn serve_args(url: &BrokerUrl, job: &str, out: &std::path::Path, extra: &[&str]) -> Vec<String> {
