@@ -83,6 +83,16 @@ impl Conv1D {
         Ok(Self { weight, bias, weight_frozen, lora })
     }
 
+    /// The projection as the fused block reads it.
+    fn fused(&self) -> ops::Projection {
+        ops::Projection {
+            weight: self.weight.clone(),
+            bias: self.bias.clone(),
+            trains: !self.weight_frozen,
+            adapter: self.lora.as_ref().map(|l| ops::Adapter { a: l.a.clone(), b: l.b.clone(), scale: l.scale }),
+        }
+    }
+
     /// `x: [rows, fan_in]`, 2-D: the model keeps its residual stream as rows, so no
     /// reshape (a graph node with a zero-filled gradient of its own) sits around each
     /// projection.
@@ -181,8 +191,28 @@ impl Block {
         })
     }
 
-    /// `x: [batch * seq_len, d]`.
-    fn forward(&self, x: &Tensor, seq_len: usize) -> CResult<Tensor> {
+    fn fused(&self) -> ops::BlockWeights {
+        ops::BlockWeights {
+            ln_1: (self.ln_1.weight.clone(), self.ln_1.bias.clone()),
+            c_attn: self.attn.c_attn.fused(),
+            attn_proj: self.attn.c_proj.fused(),
+            ln_2: (self.ln_2.weight.clone(), self.ln_2.bias.clone()),
+            c_fc: self.mlp.c_fc.fused(),
+            mlp_proj: self.mlp.c_proj.fused(),
+            eps: self.ln_1.eps,
+            n_head: self.attn.n_head,
+        }
+    }
+
+    /// `x: [batch * seq_len, d]`: one fused op where it applies ([`ops::fused_block`]),
+    /// otherwise the block's ops one by one.
+    fn forward(&self, x: &Tensor, seq_len: usize, grads: Option<&ops::BlockGradients>) -> CResult<Tensor> {
+        if let Some(grads) = grads {
+            let weights = self.fused();
+            if weights.fits(x) && self.ln_2.eps == self.ln_1.eps {
+                return ops::fused_block(x, &weights, seq_len, grads);
+            }
+        }
         let x = (x + self.attn.forward(&self.ln_1.forward(x)?, seq_len)?)?;
         &x + self.mlp.forward(&self.ln_2.forward(&x)?)?
     }
@@ -198,6 +228,10 @@ pub struct Gpt2 {
     wte_frozen: bool,
     /// Where `wte`'s gradient from the lookup and the tied head collects in backward.
     tied: ops::TiedGradient,
+    /// Where the fused blocks' parameter gradients collect in backward.
+    block_grads: ops::BlockGradients,
+    /// Whether blocks run as one fused op where they can (see [`Gpt2::set_fused_blocks`]).
+    fused_blocks: bool,
     n_positions: usize,
     dtype: DType,
     /// The dtype of matmuls and activations; `dtype` (the parameters', the logits' and
@@ -222,6 +256,8 @@ impl Gpt2 {
             ln_f,
             wte_frozen,
             tied: ops::TiedGradient::default(),
+            block_grads: ops::BlockGradients::default(),
+            fused_blocks: true,
             n_positions: cfg.n_positions,
             dtype: b.dtype(),
             compute: b.dtype(),
@@ -244,6 +280,12 @@ impl Gpt2 {
     /// dtype.
     pub fn set_compute_dtype(&mut self, compute: DType) {
         self.compute = compute;
+    }
+
+    /// Whether blocks run as one fused op on the CPU in full precision (the default), or
+    /// op by op, as everywhere else: the composed path is the fused one's reference.
+    pub fn set_fused_blocks(&mut self, fused: bool) {
+        self.fused_blocks = fused;
     }
 
     /// The device the model lives on.
@@ -269,8 +311,9 @@ impl Gpt2 {
         let x = tokens.to_dtype(self.compute)?.broadcast_add(&positions.to_dtype(self.compute)?)?;
         // The blocks run on rows [b * t, d]; see `Conv1D::forward`.
         let mut x = x.reshape((b * t, d))?;
+        let fused = self.fused_blocks.then_some(&self.block_grads);
         for block in &self.h {
-            x = block.forward(&x, t)?;
+            x = block.forward(&x, t, fused)?;
         }
         Ok(self.ln_f.forward(&x)?.reshape((b, t, d))?)
     }
@@ -304,8 +347,10 @@ impl Gpt2 {
     /// collected outside candle's store (see [`ops::TiedGradient`]) and added here.
     pub fn backward(&self, loss: &Tensor) -> Result<GradStore> {
         self.tied.clear();
+        self.block_grads.clear();
         let mut grads = loss.backward()?;
         self.tied.collect(&self.wte, &mut grads)?;
+        self.block_grads.collect(&mut grads)?;
         Ok(grads)
     }
 

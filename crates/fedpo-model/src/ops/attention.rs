@@ -36,7 +36,7 @@ impl<T> SharedMut<T> {
 
 /// The shape of one call: `batch` sequences of `t` tokens, `n_head` heads of `head_dim`.
 #[derive(Clone, Copy, Debug)]
-struct Dims {
+pub(super) struct Dims {
     batch: usize,
     t: usize,
     n_head: usize,
@@ -47,6 +47,11 @@ impl Dims {
     /// From a `[batch * t, 3d]` projection of sequences of `t` tokens.
     fn of(l: &Layout, t: usize, n_head: usize, what: &str) -> CResult<Self> {
         let (rows, three_d) = l.shape().dims2()?;
+        Self::of_rows(rows, three_d, t, n_head, what)
+    }
+
+    /// From `rows` rows of a `three_d`-wide projection.
+    pub(super) fn of_rows(rows: usize, three_d: usize, t: usize, n_head: usize, what: &str) -> CResult<Self> {
         if n_head == 0 || three_d % (3 * n_head) != 0 {
             candle_core::bail!("{what}: last dimension {three_d} is not 3 x n_head ({n_head}) x head_dim");
         }
@@ -107,7 +112,7 @@ unsafe fn head_probs<T: FastExp>(dims: Dims, qkv: *const T, b: usize, h: usize, 
     causal_softmax_rows(probs, t);
 }
 
-fn forward_cpu<T: FastExp>(qkv: &[T], dims: Dims) -> Vec<T> {
+pub(super) fn forward_cpu<T: FastExp>(qkv: &[T], dims: Dims) -> Vec<T> {
     let (t, d, hd) = (dims.t, dims.d(), dims.head_dim);
     let mut out = vec![T::zero(); dims.batch * t * d];
     let dst = SharedMut(out.as_mut_ptr());
@@ -131,7 +136,7 @@ fn forward_cpu<T: FastExp>(qkv: &[T], dims: Dims) -> Vec<T> {
 /// `d qkv` from `dy`: per head, with `P` recomputed and `S` the scaled scores,
 /// `dV = P^T dY`, `dP = dY V^T`, `dS = P * (dP - rowsum(dP * P))`, and through the scale
 /// `dQ = scale dS K`, `dK = scale dS^T Q`.
-fn backward_cpu<T: FastExp>(qkv: &[T], dy: &[T], dims: Dims) -> Vec<T> {
+pub(super) fn backward_cpu<T: FastExp>(qkv: &[T], dy: &[T], dims: Dims) -> Vec<T> {
     let (t, d, hd) = (dims.t, dims.d(), dims.head_dim);
     let mut out = vec![T::zero(); qkv.len()];
     let dst = SharedMut(out.as_mut_ptr());

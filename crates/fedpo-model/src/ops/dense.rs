@@ -68,7 +68,7 @@ fn check_float<T: WithDType>(op: &str) -> CResult<()> {
     Ok(())
 }
 
-fn threads() -> usize {
+pub(super) fn threads() -> usize {
     rayon::current_num_threads()
 }
 
@@ -145,6 +145,99 @@ pub(super) fn add_matmul_tn<T: WithDType>(
         unsafe { tn_into(dst.as_mut_ptr(), true, a, b, (m, n, k)) };
     }
     Ok(())
+}
+
+/// A matrix operand: its values and its (row, column) strides.
+pub(super) type Strided<'a, T> = (&'a [T], usize, usize);
+
+/// Checks that an `rows x cols` operand's strides stay inside its values.
+fn check_strided<T>((values, rs, cs): Strided<'_, T>, rows: usize, cols: usize, what: &str) -> CResult<()> {
+    if rows == 0 || cols == 0 {
+        return Ok(());
+    }
+    let last = (rows - 1) * rs + (cols - 1) * cs;
+    if last >= values.len() {
+        candle_core::bail!(
+            "gemm: the {what} [{rows}, {cols}] with strides ({rs}, {cs}) needs {} values, has {}",
+            last + 1,
+            values.len()
+        );
+    }
+    Ok(())
+}
+
+/// `dst (+)= scale * lhs @ rhs` for `lhs: [m, k]` and `rhs: [k, n]` given by strides, into
+/// a row-major `dst: [m, n]` of at least `m * n` elements.
+///
+/// # Safety
+/// `dst` points at `m * n` writable elements that alias neither operand; when not
+/// `accumulate`, they may be uninitialised.
+unsafe fn strided_into<T: WithDType>(
+    dst: *mut T,
+    accumulate: bool,
+    (m, n, k): (usize, usize, usize),
+    lhs: Strided<'_, T>,
+    rhs: Strided<'_, T>,
+    scale: T,
+) -> CResult<()> {
+    check_float::<T>("gemm")?;
+    check_strided(lhs, m, k, "left operand")?;
+    check_strided(rhs, k, n, "right operand")?;
+    if m > 0 && n > 0 && k > 0 {
+        // SAFETY: the operands' strides stay inside their values (checked above), and dst is
+        // the caller's.
+        unsafe {
+            gemm_into(
+                (m, n, k),
+                dst,
+                n,
+                accumulate,
+                lhs.0.as_ptr(),
+                (lhs.1, lhs.2),
+                rhs.0.as_ptr(),
+                (rhs.1, rhs.2),
+                scale,
+                threads(),
+            )
+        };
+    }
+    Ok(())
+}
+
+/// `scale * lhs @ rhs` as a new row-major `[m, n]`, written once (no zero fill first).
+pub(super) fn mm_new<T: WithDType>(
+    (m, n, k): (usize, usize, usize),
+    lhs: Strided<'_, T>,
+    rhs: Strided<'_, T>,
+    scale: T,
+) -> CResult<Vec<T>> {
+    if k == 0 {
+        return Ok(vec![T::zero(); m * n]);
+    }
+    let mut out: Vec<T> = Vec::with_capacity(m * n);
+    // SAFETY: out has room for m * n elements and is fresh; without `accumulate` gemm
+    // writes every one of them and reads none, so the length is set only after it returns
+    // successfully.
+    unsafe {
+        strided_into(out.as_mut_ptr(), false, (m, n, k), lhs, rhs, scale)?;
+        out.set_len(m * n);
+    }
+    Ok(out)
+}
+
+/// `dst += scale * lhs @ rhs`, for a row-major `dst: [m, n]`.
+pub(super) fn mm_accumulate<T: WithDType>(
+    dst: &mut [T],
+    (m, n, k): (usize, usize, usize),
+    lhs: Strided<'_, T>,
+    rhs: Strided<'_, T>,
+    scale: T,
+) -> CResult<()> {
+    if dst.len() < m * n {
+        candle_core::bail!("gemm: {} values for a [{m}, {n}] product", dst.len());
+    }
+    // SAFETY: dst holds m * n initialised elements, borrowed mutably, so no operand aliases it.
+    unsafe { strided_into(dst.as_mut_ptr(), true, (m, n, k), lhs, rhs, scale) }
 }
 
 /// `a^T @ b` as a new tensor, for `a: [k, m]` and `b: [k, n]` (no gradient).

@@ -69,13 +69,13 @@ multiversion! {
     }
 }
 
-fn forward_f32(xs: &[f32]) -> Vec<f32> {
+pub(super) fn forward_f32(xs: &[f32]) -> Vec<f32> {
     let mut out = vec![0f32; xs.len()];
     out.par_chunks_mut(CHUNK).zip(xs.par_chunks(CHUNK)).for_each(|(out, xs)| forward_chunk(out, xs));
     out
 }
 
-fn backward_f32(xs: &[f32], grads: &[f32]) -> Vec<f32> {
+pub(super) fn backward_f32(xs: &[f32], grads: &[f32]) -> Vec<f32> {
     let mut out = vec![0f32; xs.len()];
     out.par_chunks_mut(CHUNK)
         .zip(xs.par_chunks(CHUNK).zip(grads.par_chunks(CHUNK)))
@@ -83,11 +83,11 @@ fn backward_f32(xs: &[f32], grads: &[f32]) -> Vec<f32> {
     out
 }
 
-fn forward_f64(xs: &[f64]) -> Vec<f64> {
+pub(super) fn forward_f64(xs: &[f64]) -> Vec<f64> {
     xs.par_iter().with_min_len(4096).map(|&x| gelu_new_f64(x)).collect()
 }
 
-fn backward_f64(xs: &[f64], grads: &[f64]) -> Vec<f64> {
+pub(super) fn backward_f64(xs: &[f64], grads: &[f64]) -> Vec<f64> {
     xs.par_iter().with_min_len(4096).zip(grads.par_iter()).map(|(&x, &g)| g * gelu_new_derivative_f64(x)).collect()
 }
 

@@ -23,7 +23,7 @@ fn row_stats<T: WithDType>(row: &[T], eps: f64) -> (f64, f64) {
     (mean, 1.0 / (var + eps).sqrt())
 }
 
-fn forward_cpu<T: WithDType>(x: &[T], weight: &[T], bias: &[T], eps: f64) -> Vec<T> {
+pub(super) fn forward_cpu<T: WithDType>(x: &[T], weight: &[T], bias: &[T], eps: f64) -> Vec<T> {
     let d = weight.len();
     let mut out = vec![T::zero(); x.len()];
     out.par_chunks_mut(d).zip(x.par_chunks(d)).for_each(|(out, row)| {
@@ -36,7 +36,7 @@ fn forward_cpu<T: WithDType>(x: &[T], weight: &[T], bias: &[T], eps: f64) -> Vec
 }
 
 /// `[rows + 2, d]`: the input gradient's rows, then the weight's, then the bias's.
-fn backward_cpu<T: WithDType>(x: &[T], weight: &[T], grad: &[T], eps: f64) -> Vec<T> {
+pub(super) fn backward_cpu<T: WithDType>(x: &[T], weight: &[T], grad: &[T], eps: f64) -> Vec<T> {
     let d = weight.len();
     let rows = x.len() / d;
     let mut out = vec![T::zero(); (rows + 2) * d];

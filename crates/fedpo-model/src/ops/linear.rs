@@ -30,7 +30,7 @@ fn add_bias_rows<T: WithDType>(out: &mut [T], bias: &[T]) {
 
 /// Sums of each column of `m` (`[rows, n]`, row-major): each task owns a band of columns
 /// and runs down the rows, so every read is a contiguous run and the sums stay in cache.
-fn column_sums_cpu<T: WithDType>(m: &[T], n: usize) -> Vec<T> {
+pub(super) fn column_sums_cpu<T: WithDType>(m: &[T], n: usize) -> Vec<T> {
     const BAND: usize = 256;
     let mut out = vec![T::zero(); n];
     out.par_chunks_mut(BAND).enumerate().for_each(|(band, acc)| {

@@ -8,6 +8,7 @@
 //! - [`matmul_frozen_rhs`]: a matmul whose backward skips the weight gradient;
 //! - [`token_logprobs`]: a fused log-softmax + gather over the vocabulary;
 //! - [`gelu_new`]: GPT-2's tanh GELU with its exact derivative;
+//! - [`fused_block`]: a whole block in one node, its parameter gradients written once;
 //! - [`causal_self_attention`]: multi-head causal attention straight from the fused
 //!   projection, with the heads read and written in place;
 //! - [`layer_norm`] and [`softmax_last_dim`]: forward keeps only what backward needs;
@@ -39,6 +40,7 @@ macro_rules! map_float_storage {
 }
 
 mod attention;
+mod block;
 mod dense;
 mod fast_math;
 mod gelu;
@@ -54,6 +56,7 @@ mod token_logprobs;
 use candle_core::{CpuStorage, Layout, Tensor, WithDType, D};
 
 pub use attention::{causal_self_attention, causal_self_attention_composed};
+pub use block::{fused_block, Adapter, BlockGradients, BlockWeights, Projection};
 pub use gelu::gelu_new;
 pub use layer_norm::layer_norm;
 pub use linear::linear_bias;
