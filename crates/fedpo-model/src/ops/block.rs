@@ -142,7 +142,7 @@ impl BlockGradients {
 }
 
 /// The element types the fused block runs in.
-trait BlockFloat: FastExp {
+trait BlockFloat: FastExp + layer_norm::LayerNormFloat {
     fn gelu(xs: &[Self]) -> Vec<Self>;
     fn gelu_backward(xs: &[Self], grads: &[Self]) -> Vec<Self>;
     fn wrap(acts: Activations<Self>) -> Saved;
@@ -389,7 +389,7 @@ fn add_into<T: WithDType>(acc: &mut [T], other: &[T]) {
 }
 
 /// The layer norm's input gradient added into `acc`, and its weight and bias gradients.
-fn layer_norm_backward<T: WithDType>(
+fn layer_norm_backward<T: layer_norm::LayerNormFloat>(
     acc: &mut [T],
     x: &[T],
     (weight, _): (&[T], &[T]),

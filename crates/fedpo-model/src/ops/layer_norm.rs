@@ -10,6 +10,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor, WithDType};
 use rayon::prelude::*;
 
+use super::multiversion::multiversion;
 use super::{contiguous_slice, full_precision, CResult};
 
 /// Rows per parallel task in backward; each task sums its own weight and bias gradients.
@@ -23,7 +24,164 @@ fn row_stats<T: WithDType>(row: &[T], eps: f64) -> (f64, f64) {
     (mean, 1.0 / (var + eps).sqrt())
 }
 
-pub(super) fn forward_cpu<T: WithDType>(x: &[T], weight: &[T], bias: &[T], eps: f64) -> Vec<T> {
+/// The layer norm's CPU kernels: f64 as written (the reference), f32 on vectorised rows.
+pub(super) trait LayerNormFloat: WithDType {
+    fn forward(x: &[Self], weight: &[Self], bias: &[Self], eps: f64) -> Vec<Self>;
+    fn backward(x: &[Self], weight: &[Self], grad: &[Self], eps: f64) -> Vec<Self>;
+}
+
+impl LayerNormFloat for f64 {
+    fn forward(x: &[Self], weight: &[Self], bias: &[Self], eps: f64) -> Vec<Self> {
+        forward_generic(x, weight, bias, eps)
+    }
+    fn backward(x: &[Self], weight: &[Self], grad: &[Self], eps: f64) -> Vec<Self> {
+        backward_generic(x, weight, grad, eps)
+    }
+}
+
+impl LayerNormFloat for f32 {
+    fn forward(x: &[Self], weight: &[Self], bias: &[Self], eps: f64) -> Vec<Self> {
+        let d = weight.len().max(1);
+        let mut out = vec![0f32; x.len()];
+        let block = ROWS_PER_TASK * d;
+        out.par_chunks_mut(block).zip(x.par_chunks(block)).for_each(|(out, x)| {
+            normalize_rows(out, x, weight, bias, eps as f32);
+        });
+        out
+    }
+
+    fn backward(x: &[Self], weight: &[Self], grad: &[Self], eps: f64) -> Vec<Self> {
+        let d = weight.len().max(1);
+        let rows = x.len() / d;
+        let mut out = vec![0f32; (rows + 2) * d];
+        let (dx, dparams) = out.split_at_mut(rows * d);
+        let block = ROWS_PER_TASK * d;
+        let sums = dx
+            .par_chunks_mut(block)
+            .zip(x.par_chunks(block).zip(grad.par_chunks(block)))
+            .map(|(dx, (x, grad))| {
+                let mut sums = vec![0f32; 2 * d];
+                let (dw, db) = sums.split_at_mut(d);
+                backward_rows(dx, x, weight, grad, eps as f32, dw, db);
+                sums
+            })
+            .fold(
+                || vec![0f64; 2 * d],
+                |mut acc, task| {
+                    acc.iter_mut().zip(&task).for_each(|(a, &t)| *a += f64::from(t));
+                    acc
+                },
+            )
+            .reduce(
+                || vec![0f64; 2 * d],
+                |mut a, b| {
+                    a.iter_mut().zip(&b).for_each(|(a, b)| *a += b);
+                    a
+                },
+            );
+        for (o, s) in dparams.iter_mut().zip(&sums) {
+            *o = *s as f32;
+        }
+        out
+    }
+}
+
+pub(super) fn forward_cpu<T: LayerNormFloat>(x: &[T], weight: &[T], bias: &[T], eps: f64) -> Vec<T> {
+    T::forward(x, weight, bias, eps)
+}
+
+/// `[rows + 2, d]`: the input gradient's rows, then the weight's, then the bias's.
+pub(super) fn backward_cpu<T: LayerNormFloat>(x: &[T], weight: &[T], grad: &[T], eps: f64) -> Vec<T> {
+    T::backward(x, weight, grad, eps)
+}
+
+const LANES: usize = 16;
+
+/// `sum(f(x))` over independent lanes, so the loop vectorises.
+#[inline(always)]
+fn lane_sum(xs: &[f32], f: impl Fn(f32) -> f32) -> f32 {
+    let mut acc = [0f32; LANES];
+    let mut chunks = xs.chunks_exact(LANES);
+    for chunk in &mut chunks {
+        for (a, &v) in acc.iter_mut().zip(chunk) {
+            *a += f(v);
+        }
+    }
+    let tail: f32 = chunks.remainder().iter().map(|&v| f(v)).sum();
+    acc.iter().sum::<f32>() + tail
+}
+
+/// Mean and `1 / sqrt(var + eps)` of a row in f32, the variance from the centred values.
+#[inline(always)]
+fn row_stats_f32(row: &[f32], eps: f32) -> (f32, f32) {
+    let d = row.len() as f32;
+    let mean = lane_sum(row, |v| v) / d;
+    let var = lane_sum(row, |v| (v - mean) * (v - mean)) / d;
+    (mean, 1.0 / (var + eps).sqrt())
+}
+
+multiversion! {
+    /// Normalized rows of `x` into `out`, dispatched to the CPU's widest vectors.
+    fn normalize_rows / normalize_rows_at(out: &mut [f32], x: &[f32], weight: &[f32], bias: &[f32], eps: f32) {
+        let d = weight.len();
+        for (out, row) in out.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
+            let (mean, rstd) = row_stats_f32(row, eps);
+            for (((o, &v), &w), &b) in out.iter_mut().zip(row).zip(weight).zip(bias) {
+                *o = (v - mean) * rstd * w + b;
+            }
+        }
+    }
+}
+
+multiversion! {
+    /// The input gradient of a chunk of rows into `dx`, its weight and bias gradients
+    /// added into `dw` and `db`.
+    fn backward_rows / backward_rows_at(
+        dx: &mut [f32],
+        x: &[f32],
+        weight: &[f32],
+        grad: &[f32],
+        eps: f32,
+        dw: &mut [f32],
+        db: &mut [f32],
+    ) {
+        let d = weight.len();
+        let (dw, db) = (&mut dw[..d], &mut db[..d]);
+        let full = d / LANES * LANES;
+        for ((dx, row), g) in dx.chunks_exact_mut(d).zip(x.chunks_exact(d)).zip(grad.chunks_exact(d)) {
+            let (mean, rstd) = row_stats_f32(row, eps);
+            let (dx, row, g) = (&mut dx[..d], &row[..d], &g[..d]);
+            let (mut s_dn, mut s_dn_n) = ([0f32; LANES], [0f32; LANES]);
+            for base in (0..full).step_by(LANES) {
+                for l in 0..LANES {
+                    let j = base + l;
+                    let n = (row[j] - mean) * rstd;
+                    let dn = g[j] * weight[j];
+                    dw[j] += g[j] * n;
+                    db[j] += g[j];
+                    s_dn[l] += dn;
+                    s_dn_n[l] += dn * n;
+                }
+            }
+            for j in full..d {
+                let n = (row[j] - mean) * rstd;
+                let dn = g[j] * weight[j];
+                dw[j] += g[j] * n;
+                db[j] += g[j];
+                s_dn[0] += dn;
+                s_dn_n[0] += dn * n;
+            }
+            let mean_dn = s_dn.iter().sum::<f32>() / d as f32;
+            let mean_dn_n = s_dn_n.iter().sum::<f32>() / d as f32;
+            for j in 0..d {
+                let n = (row[j] - mean) * rstd;
+                dx[j] = rstd * (g[j] * weight[j] - mean_dn - n * mean_dn_n);
+            }
+        }
+    }
+}
+
+fn forward_generic<T: WithDType>(x: &[T], weight: &[T], bias: &[T], eps: f64) -> Vec<T> {
     let d = weight.len();
     let mut out = vec![T::zero(); x.len()];
     out.par_chunks_mut(d).zip(x.par_chunks(d)).for_each(|(out, row)| {
@@ -35,8 +193,7 @@ pub(super) fn forward_cpu<T: WithDType>(x: &[T], weight: &[T], bias: &[T], eps: 
     out
 }
 
-/// `[rows + 2, d]`: the input gradient's rows, then the weight's, then the bias's.
-pub(super) fn backward_cpu<T: WithDType>(x: &[T], weight: &[T], grad: &[T], eps: f64) -> Vec<T> {
+fn backward_generic<T: WithDType>(x: &[T], weight: &[T], grad: &[T], eps: f64) -> Vec<T> {
     let d = weight.len();
     let rows = x.len() / d;
     let mut out = vec![T::zero(); (rows + 2) * d];
@@ -195,6 +352,38 @@ mod tests {
             let (a, c) = (g_fused.get(v.as_tensor()).unwrap(), g_comp.get(v.as_tensor()).unwrap());
             assert_eq!(a.dims(), c.dims(), "{name}");
             assert!(max_abs_diff(a, c) < 1e-10, "{name} gradient differs by {}", max_abs_diff(a, c));
+        }
+    }
+
+    #[test]
+    fn f32_layer_norm_gradients_track_the_f64_ones_at_every_vector_width() {
+        // 50 columns: three full lanes of 16 and a tail
+        for d in [768, 50] {
+            let x64 = (randn(&[40, d], 31) * 4.0).unwrap().affine(1.0, 2.5).unwrap();
+            let (w64, g64) = (randn(&[d], 32), randn(&[40, d], 33));
+            let exact = backward_generic(
+                &x64.flatten_all().unwrap().to_vec1::<f64>().unwrap(),
+                &w64.to_vec1::<f64>().unwrap(),
+                &g64.flatten_all().unwrap().to_vec1::<f64>().unwrap(),
+                1e-5,
+            );
+            let f32s = |t: &Tensor| {
+                t.flatten_all().unwrap().to_dtype(candle_core::DType::F32).unwrap().to_vec1::<f32>().unwrap()
+            };
+            let ours = <f32 as LayerNormFloat>::backward(&f32s(&x64), &f32s(&w64), &f32s(&g64), 1e-5);
+            let scale = exact.iter().fold(0f64, |m, v| m.max(v.abs()));
+            let err = ours.iter().zip(&exact).map(|(a, e)| (f64::from(*a) - e).abs()).fold(0.0, f64::max);
+            assert!(err < 1e-5 * scale, "d={d}: off by {err} of {scale}");
+            let (x, w, g) = (f32s(&x64), f32s(&w64), f32s(&g64));
+            let mut by_level = Vec::new();
+            for level in crate::ops::multiversion::supported_levels() {
+                let (mut dx, mut dw, mut db) = (vec![0f32; 40 * d], vec![0f32; d], vec![0f32; d]);
+                backward_rows_at(level, &mut dx, &x, &w, &g, 1e-5, &mut dw, &mut db);
+                let mut out = vec![0f32; 40 * d];
+                normalize_rows_at(level, &mut out, &x, &w, &w, 1e-5);
+                by_level.push((dx, dw, db, out));
+            }
+            assert!(by_level.windows(2).all(|p| p[0] == p[1]), "d={d}: results differ between vector widths");
         }
     }
 
