@@ -192,6 +192,9 @@ impl BlockFloat for f64 {
     }
 }
 
+/// Parameter gradients by index into [`BlockWeights::tensors`].
+type ParamGrads<T> = Vec<(usize, Vec<T>)>;
+
 /// What an adapted projection keeps for backward.
 struct AdapterActs<T> {
     /// `W + s A^T B^T` when the base trains: backward multiplies by it again.
@@ -343,7 +346,7 @@ fn projection_backward<T: WithDType>(
     dy: &[T],
     n: usize,
     wants: Wants,
-    grads: &mut Vec<(usize, Vec<T>)>,
+    grads: &mut ParamGrads<T>,
 ) -> CResult<Vec<T>> {
     let (k, m, r) = (p.fan_in, p.fan_out, p.rank);
     if let Some(i) = wants.bias {
@@ -440,7 +443,7 @@ impl FusedBlock {
         slices: &[&[T]],
         wants: &[Wants; 4],
         ln_wants: [bool; 2],
-    ) -> CResult<(Vec<T>, Vec<(usize, Vec<T>)>)> {
+    ) -> CResult<(Vec<T>, ParamGrads<T>)> {
         let w = &self.weights;
         let view = View::new(w, slices)?;
         let saved = self.saved.lock().unwrap_or_else(PoisonError::into_inner);

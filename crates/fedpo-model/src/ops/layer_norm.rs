@@ -61,8 +61,7 @@ impl LayerNormFloat for f32 {
             .zip(x.par_chunks(block).zip(grad.par_chunks(block)))
             .map(|(dx, (x, grad))| {
                 let mut sums = vec![0f32; 2 * d];
-                let (dw, db) = sums.split_at_mut(d);
-                backward_rows(dx, x, weight, grad, eps as f32, dw, db);
+                backward_rows(dx, x, weight, grad, eps as f32, &mut sums);
                 sums
             })
             .fold(
@@ -135,17 +134,17 @@ multiversion! {
 
 multiversion! {
     /// The input gradient of a chunk of rows into `dx`, its weight and bias gradients
-    /// added into `dw` and `db`.
+    /// added into `sums` (`[dw | db]`).
     fn backward_rows / backward_rows_at(
         dx: &mut [f32],
         x: &[f32],
         weight: &[f32],
         grad: &[f32],
         eps: f32,
-        dw: &mut [f32],
-        db: &mut [f32],
+        sums: &mut [f32],
     ) {
         let d = weight.len();
+        let (dw, db) = sums.split_at_mut(d);
         let (dw, db) = (&mut dw[..d], &mut db[..d]);
         let full = d / LANES * LANES;
         for ((dx, row), g) in dx.chunks_exact_mut(d).zip(x.chunks_exact(d)).zip(grad.chunks_exact(d)) {
@@ -377,11 +376,11 @@ mod tests {
             let (x, w, g) = (f32s(&x64), f32s(&w64), f32s(&g64));
             let mut by_level = Vec::new();
             for level in crate::ops::multiversion::supported_levels() {
-                let (mut dx, mut dw, mut db) = (vec![0f32; 40 * d], vec![0f32; d], vec![0f32; d]);
-                backward_rows_at(level, &mut dx, &x, &w, &g, 1e-5, &mut dw, &mut db);
+                let (mut dx, mut sums) = (vec![0f32; 40 * d], vec![0f32; 2 * d]);
+                backward_rows_at(level, &mut dx, &x, &w, &g, 1e-5, &mut sums);
                 let mut out = vec![0f32; 40 * d];
                 normalize_rows_at(level, &mut out, &x, &w, &w, 1e-5);
-                by_level.push((dx, dw, db, out));
+                by_level.push((dx, sums, out));
             }
             assert!(by_level.windows(2).all(|p| p[0] == p[1]), "d={d}: results differ between vector widths");
         }
