@@ -49,6 +49,7 @@ mod layer_norm;
 mod linear;
 mod matmul_frozen;
 mod multiversion;
+mod projection;
 mod softmax;
 mod tied_embedding;
 mod token_logprobs;

@@ -1,0 +1,140 @@
+//! One Conv1D projection of a fused block, forward and backward on slices:
+//! `residual + x @ W + b`, with an optional adapter merged into the weight (the base
+//! trains) or run beside it at rank `r` (the base is frozen).
+
+use rayon::prelude::*;
+
+use candle_core::WithDType;
+
+use super::dense::{mm_accumulate, mm_new};
+use super::linear::column_sums_cpu;
+use super::CResult;
+
+/// Parameter gradients by index into the block's flat tensor list.
+pub(super) type ParamGrads<T> = Vec<(usize, Vec<T>)>;
+
+/// What an adapted projection keeps for backward.
+pub(super) struct AdapterActs<T> {
+    /// `W + s A^T B^T` when the base trains: backward multiplies by it again.
+    pub(super) merged: Option<Vec<T>>,
+    /// `x A^T` (`[n, r]`) when the base is frozen.
+    pub(super) low_rank: Option<Vec<T>>,
+}
+
+/// A projection's tensors as slices, and its shape.
+pub(super) struct ProjectionView<'a, T> {
+    pub(super) weight: &'a [T],
+    pub(super) bias: &'a [T],
+    pub(super) adapter: Option<(&'a [T], &'a [T], T)>,
+    pub(super) fan_in: usize,
+    pub(super) fan_out: usize,
+    pub(super) rank: usize,
+}
+
+/// `start[i] + bias[j]` for every element of an `[n, bias.len()]` matrix; `start` is the
+/// residual (or nothing, for zeros). The matmul then accumulates into it.
+pub(super) fn rows_plus_bias<T: WithDType>(start: Option<&[T]>, bias: &[T], n: usize) -> Vec<T> {
+    let m = bias.len();
+    let mut out: Vec<T> = vec![T::zero(); n * m];
+    let rows_per_task = (16_384 / m.max(1)).max(1);
+    out.par_chunks_mut(m * rows_per_task).enumerate().for_each(|(task, rows)| {
+        let base = task * m * rows_per_task;
+        for (r, row) in rows.chunks_exact_mut(m).enumerate() {
+            match start {
+                Some(s) => {
+                    let s = &s[base + r * m..base + (r + 1) * m];
+                    for ((o, &x), &b) in row.iter_mut().zip(s).zip(bias) {
+                        *o = x + b;
+                    }
+                }
+                None => row.copy_from_slice(bias),
+            }
+        }
+    });
+    out
+}
+
+/// `out = residual + x @ W + b (+ s x A^T B^T)`, and what backward needs of the adapter.
+pub(super) fn projection_forward<T: WithDType>(
+    p: &ProjectionView<'_, T>,
+    x: &[T],
+    n: usize,
+    residual: Option<&[T]>,
+    merge: bool,
+) -> CResult<(Vec<T>, AdapterActs<T>)> {
+    let (k, m, r) = (p.fan_in, p.fan_out, p.rank);
+    let mut out = rows_plus_bias(residual, p.bias, n);
+    let mut acts = AdapterActs { merged: None, low_rank: None };
+    match p.adapter {
+        Some((a, b, scale)) if merge => {
+            // W + s A^T B^T: A^T is A read by columns, B^T is B read by columns.
+            let mut merged = p.weight.to_vec();
+            mm_accumulate(&mut merged, (k, m, r), (a, 1, k), (b, 1, r), scale)?;
+            mm_accumulate(&mut out, (n, m, k), (x, k, 1), (&merged, m, 1), T::one())?;
+            acts.merged = Some(merged);
+        }
+        Some((a, b, scale)) => {
+            mm_accumulate(&mut out, (n, m, k), (x, k, 1), (p.weight, m, 1), T::one())?;
+            let low_rank = mm_new((n, r, k), (x, k, 1), (a, 1, k), T::one())?;
+            mm_accumulate(&mut out, (n, m, r), (&low_rank, r, 1), (b, 1, r), scale)?;
+            acts.low_rank = Some(low_rank);
+        }
+        None => mm_accumulate(&mut out, (n, m, k), (x, k, 1), (p.weight, m, 1), T::one())?,
+    }
+    Ok((out, acts))
+}
+
+/// Which of a projection's gradients to form, by index into the flat tensor list.
+#[derive(Clone, Copy)]
+pub(super) struct Wants {
+    pub(super) weight: Option<usize>,
+    pub(super) bias: Option<usize>,
+    pub(super) a: Option<usize>,
+    pub(super) b: Option<usize>,
+}
+
+/// `dx` of a projection given `dy: [n, out]` and its input `x: [n, in]`; the parameter
+/// gradients go to `grads` as (tensor index, values).
+pub(super) fn projection_backward<T: WithDType>(
+    p: &ProjectionView<'_, T>,
+    acts: &AdapterActs<T>,
+    x: &[T],
+    dy: &[T],
+    n: usize,
+    wants: Wants,
+    grads: &mut ParamGrads<T>,
+) -> CResult<Vec<T>> {
+    let (k, m, r) = (p.fan_in, p.fan_out, p.rank);
+    if let Some(i) = wants.bias {
+        grads.push((i, column_sums_cpu(dy, m)));
+    }
+    let weight = acts.merged.as_deref().unwrap_or(p.weight);
+    let mut dx = mm_new((n, k, m), (dy, m, 1), (weight, 1, m), T::one())?;
+    if wants.weight.is_some() || acts.merged.is_some() {
+        let dw = mm_new((k, m, n), (x, 1, k), (dy, m, 1), T::one())?;
+        if let Some((a, b, scale)) = p.adapter.filter(|_| acts.merged.is_some()) {
+            // through the merge: dA = s (dW B)^T = s B^T dW^T, dB = s (A dW)^T = s dW^T A^T
+            if let Some(i) = wants.a {
+                grads.push((i, mm_new((r, k, m), (b, 1, r), (&dw, 1, m), scale)?));
+            }
+            if let Some(i) = wants.b {
+                grads.push((i, mm_new((m, r, k), (&dw, 1, m), (a, 1, k), scale)?));
+            }
+        }
+        if let Some(i) = wants.weight {
+            grads.push((i, dw));
+        }
+    }
+    if let (Some((a, b, scale)), Some(low_rank)) = (p.adapter, &acts.low_rank) {
+        // out += s (x A^T) B^T: with v = dy B, dx += s v A, dA = s v^T x, dB = s dy^T (x A^T)
+        let v = mm_new((n, r, m), (dy, m, 1), (b, r, 1), T::one())?;
+        mm_accumulate(&mut dx, (n, k, r), (&v, r, 1), (a, k, 1), scale)?;
+        if let Some(i) = wants.a {
+            grads.push((i, mm_new((r, k, n), (&v, 1, r), (x, k, 1), scale)?));
+        }
+        if let Some(i) = wants.b {
+            grads.push((i, mm_new((m, r, n), (dy, 1, m), (low_rank, r, 1), scale)?));
+        }
+    }
+    Ok(dx)
+}
