@@ -209,8 +209,8 @@ impl Block {
     fn forward(&self, x: &Tensor, seq_len: usize, grads: Option<&ops::BlockGradients>) -> CResult<Tensor> {
         if let Some(grads) = grads {
             let weights = self.fused();
-            if weights.fits(x) && self.ln_2.eps == self.ln_1.eps {
-                return ops::fused_block(x, &weights, seq_len, grads);
+            if weights.fits(x) {
+                return ops::fused_block(x, weights, seq_len, grads);
             }
         }
         let x = (x + self.attn.forward(&self.ln_1.forward(x)?, seq_len)?)?;

@@ -52,6 +52,14 @@ pub struct Projection {
     pub adapter: Option<Adapter>,
 }
 
+impl Projection {
+    /// Whether the adapter is folded into the weight: when the base trains, backward forms
+    /// the weight-sized gradient anyway.
+    fn merges(&self) -> bool {
+        self.trains && self.adapter.is_some()
+    }
+}
+
 /// Everything one block computes with.
 #[derive(Debug, Clone)]
 pub struct BlockWeights {
@@ -279,8 +287,6 @@ fn layer_norm_backward<T: layer_norm::LayerNormFloat>(
 struct FusedBlock {
     weights: BlockWeights,
     seq_len: usize,
-    /// Whether each projection's weight trains, so that its adapter is merged into it.
-    merge: [bool; 4],
     saved: Mutex<Option<Saved>>,
     grads: Arc<Mutex<Vec<(Tensor, Tensor)>>>,
 }
@@ -293,13 +299,13 @@ impl FusedBlock {
         let d = c_attn.fan_in;
         let dims = Dims::of_rows(rows, 3 * d, self.seq_len, w.n_head, "fused-block")?;
         let h1 = layer_norm::forward_cpu(x, view.ln_1.0, view.ln_1.1, w.eps);
-        let (qkv, a0) = projection_forward(c_attn, &h1, rows, None, self.merge[0])?;
+        let (qkv, a0) = projection_forward(c_attn, &h1, rows, None, w.c_attn.merges())?;
         let att = attention::forward_cpu(&qkv, dims);
-        let (x1, a1) = projection_forward(attn_proj, &att, rows, Some(x), self.merge[1])?;
+        let (x1, a1) = projection_forward(attn_proj, &att, rows, Some(x), w.attn_proj.merges())?;
         let h2 = layer_norm::forward_cpu(&x1, view.ln_2.0, view.ln_2.1, w.eps);
-        let (pre_gelu, a2) = projection_forward(c_fc, &h2, rows, None, self.merge[2])?;
+        let (pre_gelu, a2) = projection_forward(c_fc, &h2, rows, None, w.c_fc.merges())?;
         let gelu = T::gelu(&pre_gelu);
-        let (y, a3) = projection_forward(mlp_proj, &gelu, rows, Some(&x1), self.merge[3])?;
+        let (y, a3) = projection_forward(mlp_proj, &gelu, rows, Some(&x1), w.mlp_proj.merges())?;
         let acts = Activations { h1, qkv, att, x1, h2, pre_gelu, gelu, adapters: [a0, a1, a2, a3] };
         *self.saved.lock().unwrap_or_else(PoisonError::into_inner) = Some(T::wrap(acts));
         Ok(y)
@@ -437,11 +443,9 @@ impl CustomOp2 for FusedBlock {
 
 /// One GPT-2 block over `x: [batch * seq_len, d]` as a single op (see the module docs); the
 /// caller checks [`BlockWeights::fits`] first. Parameter gradients go to `grads`.
-pub fn fused_block(x: &Tensor, weights: &BlockWeights, seq_len: usize, grads: &BlockGradients) -> CResult<Tensor> {
-    let merge = weights.projections().map(|p| p.trains && p.adapter.is_some());
+pub fn fused_block(x: &Tensor, weights: BlockWeights, seq_len: usize, grads: &BlockGradients) -> CResult<Tensor> {
     let tensors = weights.tensors();
-    let anchor = tensors.iter().find(|t| t.is_variable()).unwrap_or(&tensors[0]);
-    let anchor = (*anchor).clone();
-    let op = FusedBlock { weights: weights.clone(), seq_len, merge, saved: Mutex::new(None), grads: grads.0.clone() };
+    let anchor = (*tensors.iter().find(|t| t.is_variable()).unwrap_or(&tensors[0])).clone();
+    let op = FusedBlock { weights, seq_len, saved: Mutex::new(None), grads: grads.0.clone() };
     x.contiguous()?.apply_op2(&anchor, op)
 }

@@ -71,13 +71,7 @@ impl LayerNormFloat for f32 {
                     acc
                 },
             )
-            .reduce(
-                || vec![0f64; 2 * d],
-                |mut a, b| {
-                    a.iter_mut().zip(&b).for_each(|(a, b)| *a += b);
-                    a
-                },
-            );
+            .reduce(|| vec![0f64; 2 * d], add_sums);
         for (o, s) in dparams.iter_mut().zip(&sums) {
             *o = *s as f32;
         }
@@ -92,6 +86,12 @@ pub(super) fn forward_cpu<T: LayerNormFloat>(x: &[T], weight: &[T], bias: &[T], 
 /// `[rows + 2, d]`: the input gradient's rows, then the weight's, then the bias's.
 pub(super) fn backward_cpu<T: LayerNormFloat>(x: &[T], weight: &[T], grad: &[T], eps: f64) -> Vec<T> {
     T::backward(x, weight, grad, eps)
+}
+
+/// Two tasks' weight and bias gradient sums, added.
+fn add_sums(mut a: Vec<f64>, b: Vec<f64>) -> Vec<f64> {
+    a.iter_mut().zip(&b).for_each(|(a, b)| *a += b);
+    a
 }
 
 const LANES: usize = 16;
@@ -227,13 +227,7 @@ fn backward_generic<T: WithDType>(x: &[T], weight: &[T], grad: &[T], eps: f64) -
             }
             sums
         })
-        .reduce(
-            || vec![0f64; 2 * d],
-            |mut a, b| {
-                a.iter_mut().zip(&b).for_each(|(a, b)| *a += b);
-                a
-            },
-        );
+        .reduce(|| vec![0f64; 2 * d], add_sums);
     for (o, s) in dweight.iter_mut().chain(dbias.iter_mut()).zip(&sums) {
         *o = T::from_f64(*s);
     }

@@ -15,7 +15,7 @@ use rayon::prelude::*;
 use super::{contiguous_slice, full_precision, CResult};
 
 /// Adds `bias` (length `n`) to every row of `out` (`[m, n]`, row-major).
-fn add_bias_rows<T: WithDType>(out: &mut [T], bias: &[T]) {
+pub(super) fn add_bias_rows<T: WithDType>(out: &mut [T], bias: &[T]) {
     let n = bias.len().max(1);
     // Rows in chunks of about 64 KiB keep rayon's per-task overhead small for narrow rows.
     let rows_per_task = (16_384 / n).max(1);

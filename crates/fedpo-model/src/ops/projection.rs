@@ -2,12 +2,10 @@
 //! `residual + x @ W + b`, with an optional adapter merged into the weight (the base
 //! trains) or run beside it at rank `r` (the base is frozen).
 
-use rayon::prelude::*;
-
 use candle_core::WithDType;
 
 use super::dense::{mm_accumulate, mm_new};
-use super::linear::column_sums_cpu;
+use super::linear::{add_bias_rows, column_sums_cpu};
 use super::CResult;
 
 /// Parameter gradients by index into the block's flat tensor list.
@@ -31,26 +29,11 @@ pub(super) struct ProjectionView<'a, T> {
     pub(super) rank: usize,
 }
 
-/// `start[i] + bias[j]` for every element of an `[n, bias.len()]` matrix; `start` is the
-/// residual (or nothing, for zeros). The matmul then accumulates into it.
-pub(super) fn rows_plus_bias<T: WithDType>(start: Option<&[T]>, bias: &[T], n: usize) -> Vec<T> {
-    let m = bias.len();
-    let mut out: Vec<T> = vec![T::zero(); n * m];
-    let rows_per_task = (16_384 / m.max(1)).max(1);
-    out.par_chunks_mut(m * rows_per_task).enumerate().for_each(|(task, rows)| {
-        let base = task * m * rows_per_task;
-        for (r, row) in rows.chunks_exact_mut(m).enumerate() {
-            match start {
-                Some(s) => {
-                    let s = &s[base + r * m..base + (r + 1) * m];
-                    for ((o, &x), &b) in row.iter_mut().zip(s).zip(bias) {
-                        *o = x + b;
-                    }
-                }
-                None => row.copy_from_slice(bias),
-            }
-        }
-    });
+/// The residual (or zeros) plus `bias` in every row of an `[n, bias.len()]` matrix: what
+/// the matmul then accumulates into.
+fn rows_plus_bias<T: WithDType>(residual: Option<&[T]>, bias: &[T], n: usize) -> Vec<T> {
+    let mut out = residual.map_or_else(|| vec![T::zero(); n * bias.len()], <[T]>::to_vec);
+    add_bias_rows(&mut out, bias);
     out
 }
 
