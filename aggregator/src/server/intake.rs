@@ -134,7 +134,8 @@ impl Server {
     /// Decodes and checks a complete update: the delta and every section must be shaped
     /// like the shared set, and a training round's delta must not be empty.
     fn verify(&self, open: &OpenRound, bytes: &BundleBytes) -> Result<(TensorPayload, Vec<(String, TensorPayload)>)> {
-        let delta = TensorPayload::from_bytes(&bytes.main, &self.limits, true)?;
+        // Decoded in place: the tensors are slices of the received bytes.
+        let delta = TensorPayload::from_shared(bytes.main.clone(), &self.limits, true)?;
         WeightedSum::check(&self.global, &delta)?;
         let codec = open.plan.update_codec;
         if let Some(t) = delta.tensors.iter().find(|t| t.dtype() != codec.dtype()) {
@@ -156,7 +157,7 @@ impl Server {
         }
         let mut sections = Vec::new();
         for (name, b) in &bytes.sections {
-            let payload = TensorPayload::from_bytes(b, &self.limits, true)?;
+            let payload = TensorPayload::from_shared(b.clone(), &self.limits, true)?;
             WeightedSum::check(&self.global, &payload).map_err(|e| anyhow::anyhow!("section `{name}`: {e}"))?;
             if payload.tensors.is_empty() {
                 bail!("section `{name}` is empty");

@@ -80,7 +80,7 @@ impl SecureCollect {
         if !bytes.sections.is_empty() {
             bail!("a secure-aggregation input carries no sections");
         }
-        let payload = TensorPayload::from_bytes(&bytes.main, limits, true)?;
+        let payload = TensorPayload::from_shared(bytes.main.clone(), limits, true)?;
         let [t] = payload.tensors.as_slice() else { bail!("a secure-aggregation input holds exactly one tensor") };
         if t.name() != MASKED_TENSOR || t.dtype() != WireDType::U32 || t.len() != self.len {
             bail!(

@@ -383,7 +383,7 @@ impl Participant {
                                 "model received"
                             );
                             self.summary.bytes_down +=
-                                (bytes.main.len() + bytes.sections.values().map(Vec::len).sum::<usize>()) as u64;
+                                (bytes.main.len() + bytes.sections.values().map(|b| b.len()).sum::<usize>()) as u64;
                             // A round that cannot run (a model that does not fit, a
                             // non-finite loss) costs this round only: the device stays
                             // in the job and the aggregator's deadline moves on.
@@ -420,12 +420,12 @@ impl Participant {
         let span = tracing::info_span!("round", round = plan.round);
         let _enter = span.enter();
         let decoding = Instant::now();
-        let global = TensorPayload::from_bytes(&bytes.main, &self.limits, true)?;
-        drop(bytes.main);
+        // In place: the tensors are slices of the received bytes, freed once the model is built.
+        let global = TensorPayload::from_shared(bytes.main, &self.limits, true)?;
         let sections = bytes
             .sections
-            .iter()
-            .map(|(name, b)| Ok((name.clone(), TensorPayload::from_bytes(b, &self.limits, true)?)))
+            .into_iter()
+            .map(|(name, b)| Ok((name, TensorPayload::from_shared(b, &self.limits, true)?)))
             .collect::<Result<_, ParticipantError>>()?;
         tracing::debug!(seconds = format_args!("{:.3}", decoding.elapsed().as_secs_f64()), "model decoded");
         let sha = hex::encode(&plan.global_model.sha256);

@@ -9,6 +9,8 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
+use bytes::Bytes;
+
 use crate::chunk::{Progress, Reassembler};
 use crate::error::{Result, WireError};
 use crate::limits::Limits;
@@ -17,13 +19,14 @@ use crate::message::{Manifest, TransferChunk};
 /// The most sections one message may carry.
 pub const MAX_SECTIONS: usize = 8;
 
-/// The verified bytes of a completed bundle.
+/// The verified bytes of a completed bundle, as shared buffers that
+/// [`crate::TensorPayload::from_shared`] decodes in place.
 #[derive(Debug, Clone, PartialEq)]
 pub struct BundleBytes {
     /// The main transfer (the global model, the delta).
-    pub main: Vec<u8>,
+    pub main: Bytes,
     /// Each section's bytes, by section name.
-    pub sections: BTreeMap<String, Vec<u8>>,
+    pub sections: BTreeMap<String, Bytes>,
 }
 
 /// What accepting a chunk did to a bundle.
@@ -43,8 +46,8 @@ pub enum BundleProgress {
 pub struct Bundle {
     main: Reassembler,
     sections: BTreeMap<String, Reassembler>,
-    done: BTreeMap<String, Vec<u8>>,
-    main_done: Option<Vec<u8>>,
+    done: BTreeMap<String, Bytes>,
+    main_done: Option<Bytes>,
 }
 
 /// Checks a message's section table: bounded, named within limits, ids distinct.
@@ -120,9 +123,9 @@ impl Bundle {
             Progress::Accepted { .. } => return Ok(BundleProgress::Accepted),
             Progress::Complete(bytes) => match section {
                 Some(name) => {
-                    self.done.insert(name, bytes);
+                    self.done.insert(name, bytes.into());
                 }
-                None => self.main_done = Some(bytes),
+                None => self.main_done = Some(bytes.into()),
             },
         }
         if self.main_done.is_some() && self.done.len() == self.sections.len() {

@@ -3,13 +3,14 @@
 //! encodings), and chunked transfers verified by SHA-256.
 //!
 //! Everything decoded here is untrusted: [`Message::decode`] and
-//! [`TensorPayload::from_bytes`] check sizes against [`Limits`] before they allocate, refuse
+//! [`TensorPayload::from_bytes`] (or `from_shared`, which decodes in place) check sizes against [`Limits`] before they allocate, refuse
 //! unknown protocol versions, shapes that disagree with their bytes and (for updates)
 //! non-finite values, each with an error naming what was wrong.
 
 mod bundle;
 mod chunk;
 mod codec;
+mod decode;
 mod encoded;
 mod error;
 pub mod keys;
@@ -21,6 +22,7 @@ pub mod signing;
 mod tensor;
 
 pub use bundle::{check_sections, Bundle, BundleBytes, BundleProgress, MAX_SECTIONS};
+pub use bytes::Bytes;
 pub use chunk::{sha256, split_payload, Progress, Reassembler};
 pub use codec::{Residual, UpdateCodec, INT8_BLOCK};
 pub use encoded::EncodedPayload;

@@ -6,6 +6,7 @@
 
 use std::fmt;
 
+use bytes::Bytes;
 use half::{bf16, f16};
 use serde::{Deserialize, Serialize};
 
@@ -71,8 +72,9 @@ pub struct WireTensor {
     name: String,
     dtype: WireDType,
     shape: Vec<u64>,
-    #[serde(with = "serde_bytes")]
-    data: Vec<u8>,
+    /// A CBOR byte string on the wire. Decoded by [`TensorPayload::from_shared`], it is a
+    /// slice of the buffer the payload arrived in.
+    data: Bytes,
 }
 
 /// Values in a shape, or `None` on overflow.
@@ -113,7 +115,13 @@ impl WireTensor {
                 return Self::sparse(name, shape, &entries);
             }
         }
-        Self { name: name.into(), dtype, shape: shape.to_vec(), data }
+        Self { name: name.into(), dtype, shape: shape.to_vec(), data: data.into() }
+    }
+
+    /// A tensor of bytes already checked to belong to the payload they came in; they are
+    /// validated with the rest of the payload.
+    pub(crate) fn from_parts(name: String, dtype: WireDType, shape: Vec<u64>, data: Bytes) -> Self {
+        Self { name, dtype, shape, data }
     }
 
     /// A sparse tensor from (index, value) entries, indices strictly rising.
@@ -123,7 +131,7 @@ impl WireTensor {
             data.extend_from_slice(&index.to_le_bytes());
             data.extend_from_slice(&value.to_le_bytes());
         }
-        Self { name: name.into(), dtype: WireDType::Sparse, shape: shape.to_vec(), data }
+        Self { name: name.into(), dtype: WireDType::Sparse, shape: shape.to_vec(), data: data.into() }
     }
 
     /// Encodes a tensor that may leave the device.
@@ -151,9 +159,9 @@ impl WireTensor {
         &self.data
     }
 
-    /// The encoded bytes, owned.
+    /// The encoded bytes, owned (without a copy when nothing else shares them).
     pub(crate) fn into_data(self) -> Vec<u8> {
-        self.data
+        self.data.into()
     }
 
     /// Checks that the bytes match the shape and dtype.
@@ -243,8 +251,8 @@ impl WireTensor {
     /// shared set's order. Masked words reveal nothing without every other device's masks,
     /// so they need no [`ToWire`] proof of where they came from.
     pub fn masked(words: &[u32]) -> Self {
-        let data = words.iter().flat_map(|w| w.to_le_bytes()).collect();
-        Self { name: MASKED_TENSOR.into(), dtype: WireDType::U32, shape: vec![words.len() as u64], data }
+        let data: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+        Self { name: MASKED_TENSOR.into(), dtype: WireDType::U32, shape: vec![words.len() as u64], data: data.into() }
     }
 
     /// The index of the first NaN or infinite value, if any (words have none).
@@ -310,27 +318,6 @@ impl TensorPayload {
             Err(_) => Vec::new(),
         }
     }
-
-    /// Decodes and validates a payload. With `require_finite`, a NaN or infinity anywhere
-    /// is refused (updates must be finite; the aggregator never averages them in).
-    pub fn from_bytes(bytes: &[u8], limits: &Limits, require_finite: bool) -> Result<Self> {
-        if bytes.len() as u64 > limits.max_transfer_bytes {
-            return Err(WireError::TransferTooLarge { size: bytes.len() as u64, max: limits.max_transfer_bytes });
-        }
-        let payload: Self = serde_cbor::from_slice(bytes).map_err(|e| WireError::Malformed(e.to_string()))?;
-        if payload.tensors.len() > limits.max_tensors {
-            return Err(WireError::TooManyTensors { count: payload.tensors.len(), max: limits.max_tensors });
-        }
-        for t in &payload.tensors {
-            t.validate(limits)?;
-            if require_finite {
-                if let Some(index) = t.first_non_finite() {
-                    return Err(WireError::NonFinite { name: t.name.clone(), index });
-                }
-            }
-        }
-        Ok(payload)
-    }
 }
 
 #[cfg(test)]
@@ -395,7 +382,7 @@ mod tests {
 
     #[test]
     fn overflowing_shape_is_refused_without_allocating() {
-        let t = WireTensor { name: "x".into(), dtype: WireDType::F32, shape: vec![u64::MAX, 4], data: vec![] };
+        let t = WireTensor { name: "x".into(), dtype: WireDType::F32, shape: vec![u64::MAX, 4], data: Bytes::new() };
         assert!(matches!(t.validate(&Limits::default()), Err(WireError::TensorSizeMismatch { .. })));
     }
 
@@ -463,7 +450,7 @@ mod tests {
             assert!(err.contains("`d`") && err.contains(why), "{err}");
         }
         let mut torn = ok.clone();
-        torn.data.pop();
+        torn.data.truncate(torn.data.len() - 1);
         assert!(matches!(torn.validate(&limits), Err(WireError::TensorSizeMismatch { .. })));
         // Eight bytes must not decode into a petabyte of zeros.
         let huge = WireTensor::sparse("d", &[1 << 40], &[(0, 1.0)]);
