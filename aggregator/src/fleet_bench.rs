@@ -133,7 +133,7 @@ pub(crate) fn run(args: FleetBenchArgs) -> Result<()> {
             }
         }
         let Some(LinkEvent::Message(d)) = coordinator.recv_timeout(Duration::from_millis(200))? else { continue };
-        match Message::decode(&d.payload, &limits) {
+        match Message::decode_shared(&d.payload, &limits) {
             Ok(Message::Plan(plan)) => {
                 let prepared = prepare(plan, args.update_codec)?;
                 delta_norm = prepared.1;

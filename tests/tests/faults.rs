@@ -33,7 +33,7 @@ fn duplicate_everything_from(url: &BrokerUrl, device: &str) -> std::thread::Join
             if let Ok(Some(LinkEvent::Message(d))) = link.recv_timeout(Duration::from_millis(100)) {
                 last = Instant::now();
                 if seen.insert(d.payload.clone()) {
-                    link.publish(&topic, d.payload).unwrap();
+                    link.publish(&topic, d.payload.to_vec()).unwrap();
                 }
             }
         }
@@ -86,7 +86,7 @@ fn duplicates_count_once_and_nan_late_or_corrupted_updates_change_nothing() {
     // delta), each counted once, recomputed from the wire in f64.
     let heard = tap.stop();
     let duplicated = heard.iter().filter(|d| d.topic.ends_with("/up/dev-0")).count();
-    let distinct: HashSet<&Vec<u8>> =
+    let distinct: HashSet<&fedpo_wire::Bytes> =
         heard.iter().filter(|d| d.topic.ends_with("/up/dev-0")).map(|d| &d.payload).collect();
     assert!(
         duplicated >= 2 * distinct.len() - 1,

@@ -546,7 +546,7 @@ impl Server {
             }
         };
         let Some(device) = self.topics.device_of(&delivery.topic).map(str::to_string) else { return Ok(()) };
-        let msg = match Message::decode(&delivery.payload, &self.limits) {
+        let msg = match Message::decode_shared(&delivery.payload, &self.limits) {
             Ok(m) => m,
             Err(e) => {
                 tracing::warn!(%device, error = %e, "ignoring undecodable message");

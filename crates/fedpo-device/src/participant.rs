@@ -298,7 +298,7 @@ impl Participant {
                 }
                 Some(LinkEvent::Message(d)) => d,
             };
-            let msg = match Message::decode(&delivery.payload, &self.limits) {
+            let msg = match Message::decode_shared(&delivery.payload, &self.limits) {
                 Ok(m) => m,
                 Err(e) => {
                     tracing::warn!(topic = %delivery.topic, error = %e, "ignoring undecodable message");

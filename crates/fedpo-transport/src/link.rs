@@ -17,6 +17,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use rumqttc::{Client, Connection, Event, LastWill, MqttOptions, Outgoing, Packet, QoS, Transport};
 
 use crate::error::{Result, TransportError};
@@ -29,8 +30,8 @@ use crate::MAX_PACKET_BYTES;
 pub struct Delivery {
     /// The topic it was published on.
     pub topic: String,
-    /// Its bytes.
-    pub payload: Vec<u8>,
+    /// Its bytes, as the client received them (no copy is made on the way to the caller).
+    pub payload: Bytes,
 }
 
 /// What the link reports.
@@ -359,7 +360,7 @@ fn drive(
             }
             Ok(Event::Incoming(Packet::Publish(p))) => {
                 admit(&shared, p.payload.len(), inbound_budget);
-                let _ = tx.send(LinkEvent::Message(Delivery { topic: p.topic, payload: p.payload.to_vec() }));
+                let _ = tx.send(LinkEvent::Message(Delivery { topic: p.topic, payload: p.payload }));
             }
             Ok(Event::Incoming(Packet::PubAck(ack))) => {
                 lock(&shared.outbox).acked(ack.pkid);

@@ -10,7 +10,7 @@ fn next_message(link: &MqttLink, within: Duration) -> Option<(String, Vec<u8>)> 
     let deadline = Instant::now() + within;
     while Instant::now() < deadline {
         if let Some(LinkEvent::Message(d)) = link.recv_timeout(Duration::from_millis(100)).unwrap() {
-            return Some((d.topic, d.payload));
+            return Some((d.topic, d.payload.to_vec()));
         }
     }
     None

@@ -164,7 +164,7 @@ mod tests {
         chunks.reverse();
         let sections = BTreeMap::from([("diagnostics.gradient".to_string(), grad)]);
         let mut bundle = Bundle::new(main, &sections, &Limits::default()).unwrap();
-        let foreign = TransferChunk { transfer: "r1/other".into(), index: 0, count: 1, bytes: vec![] };
+        let foreign = TransferChunk { transfer: "r1/other".into(), index: 0, count: 1, bytes: Bytes::new() };
         assert_eq!(bundle.accept(foreign).unwrap(), BundleProgress::Foreign);
         let last = chunks.pop().unwrap();
         for c in chunks.clone() {

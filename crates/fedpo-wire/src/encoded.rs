@@ -162,7 +162,12 @@ impl EncodedPayload {
             .pieces
             .into_iter()
             .enumerate()
-            .map(|(i, bytes)| TransferChunk { transfer: transfer.to_string(), index: i as u32, count, bytes })
+            .map(|(i, bytes)| TransferChunk {
+                transfer: transfer.to_string(),
+                index: i as u32,
+                count,
+                bytes: bytes.into(),
+            })
             .collect();
         let manifest = Manifest {
             transfer: transfer.to_string(),

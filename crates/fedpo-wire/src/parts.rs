@@ -11,6 +11,8 @@ use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
+use bytes::Bytes;
+
 use crate::error::{Result, WireError};
 
 /// The chunks received so far, by index.
@@ -27,7 +29,7 @@ pub(crate) struct MemoryParts {
     joined: Vec<u8>,
     /// Chunks joined so far: indices below this one.
     next: usize,
-    early: BTreeMap<usize, Vec<u8>>,
+    early: BTreeMap<usize, Bytes>,
     count: usize,
 }
 
@@ -75,7 +77,7 @@ impl Parts {
         }
     }
 
-    pub(crate) fn put(&mut self, index: usize, bytes: Vec<u8>) -> Result<()> {
+    pub(crate) fn put(&mut self, index: usize, bytes: Bytes) -> Result<()> {
         match self {
             Self::Memory(m) => {
                 if index != m.next {

@@ -105,7 +105,12 @@ fn arb_message() -> impl Strategy<Value = Message> {
         (name(), 1u32..1000, proptest::collection::vec(any::<u8>(), 0..2048)).prop_flat_map(
             |(transfer, count, bytes)| {
                 (0..count).prop_map(move |index| {
-                    Message::Chunk(TransferChunk { transfer: transfer.clone(), index, count, bytes: bytes.clone() })
+                    Message::Chunk(TransferChunk {
+                        transfer: transfer.clone(),
+                        index,
+                        count,
+                        bytes: bytes.clone().into(),
+                    })
                 })
             }
         ),
@@ -294,7 +299,7 @@ fn plan_with_an_oversized_model_spec_is_refused_naming_the_field() {
 
 #[test]
 fn chunk_index_past_its_count_is_refused() {
-    let msg = Message::Chunk(TransferChunk { transfer: "t".into(), index: 3, count: 3, bytes: vec![1] });
+    let msg = Message::Chunk(TransferChunk { transfer: "t".into(), index: 3, count: 3, bytes: vec![1].into() });
     assert!(matches!(Message::decode(&msg.encode(), &Limits::default()), Err(WireError::BadChunk { .. })));
 }
 
@@ -303,9 +308,60 @@ proptest! {
     fn a_chunk_encoded_from_a_borrow_is_the_same_bytes_as_the_message(
         transfer in name(), index in 0u32..500, extra in 1u32..500, bytes in proptest::collection::vec(any::<u8>(), 0..2048)
     ) {
-        let chunk = TransferChunk { transfer, index, count: index + extra, bytes };
+        let chunk = TransferChunk { transfer, index, count: index + extra, bytes: bytes.into() };
         let borrowed = Message::encode_chunk(&chunk);
         prop_assert_eq!(&borrowed, &Message::Chunk(chunk.clone()).encode());
         prop_assert_eq!(Message::decode(&borrowed, &Limits::default()).unwrap(), Message::Chunk(chunk));
     }
+
+    #[test]
+    fn a_chunk_decoded_in_place_is_the_decoded_chunk_with_its_bytes_left_in_the_message(
+        transfer in name(), index in 0u32..500, extra in 1u32..500, bytes in proptest::collection::vec(any::<u8>(), 1..2048)
+    ) {
+        let chunk = TransferChunk { transfer, index, count: index + extra, bytes: bytes.into() };
+        let received = Bytes::from(Message::encode_chunk(&chunk));
+        let decoded = Message::decode_shared(&received, &Limits::default()).unwrap();
+        let Message::Chunk(c) = &decoded else { panic!("not a chunk: {decoded:?}") };
+        let (inside, at) = (received.as_ptr_range(), c.bytes.as_ptr_range());
+        prop_assert!(inside.start <= at.start && at.end <= inside.end, "the chunk's bytes were copied");
+        prop_assert_eq!(decoded, Message::Chunk(chunk));
+    }
+}
+
+#[test]
+fn decoding_in_place_refuses_and_accepts_what_decoding_does() {
+    let limits = Limits::default();
+    let bad_index = Message::Chunk(TransferChunk { transfer: "t".into(), index: 3, count: 3, bytes: vec![1].into() });
+    let hello = Message::Hello(DeviceHello {
+        device: "dev-0".into(),
+        pairs: 8,
+        backend: "cpu".into(),
+        memory_mb: 512,
+        instance: 1,
+        connection: 1,
+    });
+    let chunk =
+        Message::Chunk(TransferChunk { transfer: "r1/global".into(), index: 0, count: 1, bytes: vec![9; 10].into() });
+    let chunk_bytes = chunk.encode();
+    for message in [bad_index, hello, chunk] {
+        let bytes = message.encode();
+        assert_eq!(Message::decode_shared(&bytes.clone().into(), &limits), Message::decode(&bytes, &limits));
+    }
+    // A chunk from another protocol version is refused by name, not decoded.
+    let mut envelope: serde_cbor::Value = serde_cbor::from_slice(&chunk_bytes).unwrap();
+    let serde_cbor::Value::Map(fields) = &mut envelope else { panic!("an envelope is a map") };
+    fields.insert(
+        serde_cbor::Value::Text("version".into()),
+        serde_cbor::Value::Integer(i128::from(PROTOCOL_VERSION) + 1),
+    );
+    let other = Bytes::from(serde_cbor::to_vec(&envelope).unwrap());
+    assert_eq!(
+        Message::decode_shared(&other, &limits),
+        Err(WireError::UnsupportedVersion { found: PROTOCOL_VERSION + 1, supported: PROTOCOL_VERSION })
+    );
+    let small = Limits { max_message_bytes: 4, ..Limits::default() };
+    assert!(matches!(
+        Message::decode_shared(&Bytes::from(vec![0u8; 5]), &small),
+        Err(WireError::MessageTooLarge { size: 5, max: 4 })
+    ));
 }

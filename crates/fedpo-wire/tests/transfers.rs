@@ -25,6 +25,13 @@ fn payload(values: usize) -> TensorPayload {
     p
 }
 
+/// Flips bits of one byte of a chunk, as a corrupted link would.
+fn flip(chunk: &mut TransferChunk, at: usize, mask: u8) {
+    let mut bytes = chunk.bytes.to_vec();
+    bytes[at] ^= mask;
+    chunk.bytes = bytes.into();
+}
+
 #[test]
 fn chunks_in_reverse_order_with_duplicates_reassemble_the_exact_payload() {
     let p = payload(700_000); // 2.8 MB: three 1 MiB chunks
@@ -55,7 +62,7 @@ fn corrupted_chunk_fails_the_hash_and_a_clean_resend_succeeds() {
     let (manifest, chunks) = split_payload("r2/dev-1", &p, DEFAULT_CHUNK_BYTES);
     let mut r = Reassembler::new(manifest, &Limits::default()).unwrap();
     let mut bad = chunks.clone();
-    bad[1].bytes[10] ^= 0xFF;
+    flip(&mut bad[1], 10, 0xFF);
     let mut result = Ok(Progress::Duplicate);
     for c in bad {
         result = r.accept(c);
@@ -111,7 +118,7 @@ fn a_spooled_transfer_reassembles_out_of_order_survives_a_corrupt_chunk_and_remo
     assert_eq!(files(), 1, "one spool file per transfer");
 
     let mut bad = chunks.clone();
-    bad[0].bytes[5] ^= 0x0F;
+    flip(&mut bad[0], 5, 0x0F);
     let results: Vec<_> = bad.into_iter().rev().map(|c| r.accept(c)).collect();
     assert!(matches!(results.last(), Some(Err(WireError::HashMismatch { .. }))), "{results:?}");
 
@@ -148,7 +155,7 @@ fn a_transfer_that_falls_out_of_order_midway_is_still_verified_whole() {
     for corrupt in [1, 3] {
         // one hashed in order, one that arrived after the order broke
         let mut bad = chunks.clone();
-        bad[corrupt].bytes[7] ^= 0x01;
+        flip(&mut bad[corrupt], 7, 0x01);
         assert!(matches!(feed(&bad), Err(WireError::HashMismatch { .. })), "chunk {corrupt}");
     }
 }

@@ -118,8 +118,10 @@ impl FakeDevice {
         let (update, mut chunks) = self.prepare(plan, round, value);
         if corrupt {
             let last = chunks.last_mut().expect("at least one chunk");
-            let middle = last.bytes.len() / 2;
-            last.bytes[middle] ^= 0x5a;
+            let mut bytes = last.bytes.to_vec();
+            let middle = bytes.len() / 2;
+            bytes[middle] ^= 0x5a;
+            last.bytes = bytes.into();
         }
         self.publish(update, chunks);
     }
