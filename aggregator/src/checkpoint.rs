@@ -3,7 +3,7 @@
 //! The model alternates between two slot files, `global-a.safetensors` and
 //! `global-b.safetensors`, rewritten in place; `global.safetensors` links to the latest.
 //! Each round writes the slot the current state does not name, then the state naming
-//! that slot and the model's SHA-256, and keeps the state it replaces as
+//! that slot and the model's digest, and keeps the state it replaces as
 //! `state.prev.cbor`. A killed process therefore leaves one whole pair whatever moment it
 //! died in (a torn slot is never the one a state names), and resume takes the newest
 //! state whose model matches its hash.
@@ -21,6 +21,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
 
 use crate::global_model::GlobalModel;
 use crate::privacy::RdpAccountant;
@@ -47,8 +48,10 @@ pub(crate) struct ServerState {
     pub(crate) method: String,
     /// Last round whose aggregate is in the model file.
     pub(crate) round: u64,
-    /// SHA-256 (hex) of the model's wire payload.
-    pub(crate) global_sha256: String,
+    /// Digest (hex) of the model's wire payload. States of format 1 hold its SHA-256
+    /// under the old name, which [`CheckpointDir::load`] checks and converts.
+    #[serde(alias = "global_sha256")]
+    pub(crate) global_digest: String,
     pub(crate) devices: BTreeMap<String, DeviceRecord>,
     pub(crate) strategy: String,
     #[serde(with = "serde_bytes")]
@@ -71,7 +74,10 @@ pub(crate) struct ServerState {
 const SLOTS: [&str; 2] = ["global-a.safetensors", "global-b.safetensors"];
 const LATEST: &str = "global.safetensors";
 
-pub(crate) const STATE_FORMAT: &str = "fedpo-server-state/1";
+pub(crate) const STATE_FORMAT: &str = "fedpo-server-state/2";
+/// States written before models were named by their BLAKE3 digest: the same fields, with
+/// the model's SHA-256. A job checkpointed then resumes; its next save is format 2.
+const STATE_FORMAT_SHA256: &str = "fedpo-server-state/1";
 
 /// A checkpoint directory, and the background sync of its latest save.
 pub(crate) struct CheckpointDir {
@@ -183,9 +189,10 @@ impl CheckpointDir {
     /// A state and the model it names, if that model is there and has its hash.
     fn load_pair(&self, state_path: &Path) -> Result<(GlobalModel, ServerState, Option<&'static str>)> {
         let bytes = std::fs::read(state_path).with_context(|| format!("reading {}", state_path.display()))?;
-        let state: ServerState = serde_cbor::from_slice(&bytes)
+        let mut state: ServerState = serde_cbor::from_slice(&bytes)
             .with_context(|| format!("{}: not a fedpo server state", state_path.display()))?;
-        if state.format != STATE_FORMAT {
+        let legacy = state.format == STATE_FORMAT_SHA256;
+        if state.format != STATE_FORMAT && !legacy {
             bail!("{}: format `{}`, expected `{STATE_FORMAT}`", state_path.display(), state.format);
         }
         let slot =
@@ -197,14 +204,20 @@ impl CheckpointDir {
             };
         let model_path = self.dir.join(slot.unwrap_or(LATEST));
         let model = GlobalModel::load(&model_path)?;
-        let sha = model.sha256_hex();
-        if sha != state.global_sha256 {
+        let (kind, found) =
+            if legacy { ("SHA-256", legacy_sha256_hex(&model)) } else { ("digest", model.digest_hex()) };
+        if found != state.global_digest {
             bail!(
-                "{} has SHA-256 {sha}, and {} names {}",
+                "{} has {kind} {found}, and {} names {}",
                 model_path.display(),
                 state_path.display(),
-                state.global_sha256
+                state.global_digest
             );
+        }
+        if legacy {
+            tracing::info!(state = %state_path.display(), "converting a format-1 checkpoint state");
+            state.format = STATE_FORMAT.into();
+            state.global_digest = model.digest_hex();
         }
         Ok((model, state, slot))
     }
@@ -216,6 +229,14 @@ impl Drop for CheckpointDir {
             tracing::error!(error = %e, "the last checkpoint may not be on disk");
         }
     }
+}
+
+/// SHA-256 (hex) of a model's wire payload: how format-1 states name their model.
+fn legacy_sha256_hex(model: &GlobalModel) -> String {
+    let (_, chunks) = model.encode().into_transfer("");
+    let mut hasher = Sha256::new();
+    chunks.iter().for_each(|c| hasher.update(&c.bytes));
+    hex::encode(hasher.finalize())
 }
 
 /// Points `global.safetensors` at `slot`, atomically (a new link renamed over the old).
@@ -249,7 +270,7 @@ mod tests {
             job: "j".into(),
             method: "feddpo".into(),
             round,
-            global_sha256: model.sha256_hex(),
+            global_digest: model.digest_hex(),
             devices: BTreeMap::from([(
                 "dev-0".into(),
                 DeviceRecord { pairs: 7, backend: "cpu".into(), online: true, connection: 2 },
@@ -286,7 +307,7 @@ mod tests {
         ckpt.save(&m, &state(&m, 3)).unwrap();
         let (back, st) = CheckpointDir::new(dir.path()).load().unwrap();
         assert_eq!(back.tensors, m.tensors, "values, shapes, roles and payload order survive");
-        assert_eq!(back.sha256_hex(), m.sha256_hex());
+        assert_eq!(back.digest_hex(), m.digest_hex());
         assert_eq!(st, ServerState { model_file: SLOTS[0].into(), ..state(&m, 3) });
         ckpt.wait_durable().unwrap();
     }
@@ -333,7 +354,7 @@ mod tests {
         // The resumed job's next save rewrites slot a, not the slot round 3 lives in.
         resumed.save(&round4, &state(&round4, 4)).unwrap();
         resumed.wait_durable().unwrap();
-        assert_eq!(GlobalModel::load(&resumed.dir.join(SLOTS[1])).unwrap().sha256_hex(), st.global_sha256);
+        assert_eq!(GlobalModel::load(&resumed.dir.join(SLOTS[1])).unwrap().digest_hex(), st.global_digest);
         assert_eq!(CheckpointDir::new(dir.path()).load().unwrap().1.round, 4);
     }
 
@@ -359,7 +380,7 @@ mod tests {
         }
         let err = CheckpointDir::new(dir.path()).load().unwrap_err().to_string();
         assert!(err.contains("no usable checkpoint"), "{err}");
-        assert!(err.contains(&round3.sha256_hex()) && err.contains(&round2.sha256_hex()), "{err}");
+        assert!(err.contains(&round3.digest_hex()) && err.contains(&round2.digest_hex()), "{err}");
         assert!(err.contains("state.cbor") && err.contains("state.prev.cbor"), "{err}");
     }
 
@@ -386,5 +407,39 @@ mod tests {
         assert_eq!(resumed.load().unwrap().0.tensors, m.tensors);
         resumed.save(&m, &state(&m, 4)).unwrap(); // into slot a, relinking the latest name
         assert_eq!(CheckpointDir::new(dir.path()).load().unwrap().1.round, 4);
+    }
+
+    /// A state as format 1 wrote it: the model named by its SHA-256, under the old name.
+    fn format1_state(model: &GlobalModel, round: u64) -> Vec<u8> {
+        use serde_cbor::Value;
+        let st = ServerState {
+            format: STATE_FORMAT_SHA256.into(),
+            global_digest: legacy_sha256_hex(model),
+            ..state(model, round)
+        };
+        let Value::Map(mut fields) = serde_cbor::value::to_value(&st).unwrap() else { unreachable!("a struct") };
+        let named = fields.remove(&Value::Text("global_digest".into())).unwrap();
+        fields.insert(Value::Text("global_sha256".into()), named);
+        serde_cbor::to_vec(&Value::Map(fields)).unwrap()
+    }
+
+    #[test]
+    fn a_format_1_state_naming_its_model_by_sha256_resumes_as_format_2() {
+        let dir = tempfile::tempdir().unwrap();
+        let ckpt = CheckpointDir::new(dir.path());
+        std::fs::create_dir_all(&ckpt.dir).unwrap();
+        let m = model(0.5);
+        m.overwrite_file(&ckpt.model_path()).unwrap();
+        std::fs::write(ckpt.state_path(), format1_state(&m, 3)).unwrap();
+        let (back, st) = CheckpointDir::new(dir.path()).load().unwrap();
+        assert_eq!(back.tensors, m.tensors);
+        assert_eq!((st.format.as_str(), st.round), (STATE_FORMAT, 3));
+        assert_eq!(st.global_digest, m.digest_hex(), "named by its digest from now on");
+        assert_ne!(st.global_digest, legacy_sha256_hex(&m));
+
+        // A format-1 state is still checked: one naming another model is refused.
+        std::fs::write(ckpt.state_path(), format1_state(&model(0.9), 3)).unwrap();
+        let err = CheckpointDir::new(dir.path()).load().unwrap_err().to_string();
+        assert!(err.contains("SHA-256") && err.contains(&legacy_sha256_hex(&m)), "{err}");
     }
 }

@@ -100,16 +100,16 @@ impl GlobalModel {
         self.tensors.iter().filter(|t| t.shared)
     }
 
-    /// The wire bytes devices receive, in chunks, with their SHA-256: the model as a
+    /// The wire bytes devices receive, in chunks, with their digest: the model as a
     /// payload in f32 (so devices start from exactly these values), written from the
     /// tensors' own buffers.
     pub(crate) fn encode(&self) -> EncodedPayload {
         EncodedPayload::compress(&self.tensors, UpdateCodec::F32, DEFAULT_CHUNK_BYTES)
     }
 
-    /// SHA-256 (hex) of the wire payload: what devices verify.
-    pub(crate) fn sha256_hex(&self) -> String {
-        hex::encode(self.encode().sha256())
+    /// Digest (hex) of the wire payload: what devices verify.
+    pub(crate) fn digest_hex(&self) -> String {
+        hex::encode(self.encode().digest())
     }
 
     /// Writes the model as safetensors into `path` in place, shared tensors marked in the
@@ -121,7 +121,7 @@ impl GlobalModel {
             ("format".to_string(), "fedpo-global/1".to_string()),
             ("spec".to_string(), serde_json::to_string(&self.spec)?),
             ("shared".to_string(), shared.join(",")),
-            // Payload order decides the SHA-256 devices verify; keep it across a resume.
+            // Payload order decides the digest devices verify; keep it across a resume.
             ("order".to_string(), self.tensors.iter().map(|t| t.name.as_str()).collect::<Vec<_>>().join(",")),
         ]);
         let views = self.tensors.iter().map(|t| (t.name.as_str(), F32View(t)));

@@ -92,7 +92,7 @@ fn serve(args: ServeArgs) -> Result<()> {
     tracing::info!(broker = %url, job = %args.job.job, "aggregator connected");
     let mut server = server::Server::new(link, args.job, &args.out, args.resume)?;
     let summary = server.run()?;
-    tracing::info!(sha256 = %server.global().sha256_hex(), rounds = summary.rounds, "job finished");
+    tracing::info!(digest = %server.global().digest_hex(), rounds = summary.rounds, "job finished");
     Ok(())
 }
 

@@ -80,7 +80,7 @@ pub(crate) struct Summary {
     pub(crate) bytes_up_total: u64,
     pub(crate) bytes_down_total: u64,
     pub(crate) seconds: f64,
-    pub(crate) global_sha256: String,
+    pub(crate) global_digest: String,
     /// The aggregator process's peak resident memory, MiB.
     #[serde(default)]
     pub(crate) peak_rss_mib: f64,

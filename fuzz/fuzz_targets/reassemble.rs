@@ -2,10 +2,10 @@
 //! messages (u16 little-endian length, then the bytes): the first must decode to a plan or
 //! an update, whose manifest (and sections) open a bundle; the rest are fed to it as chunks.
 //! Nothing panics, and a bundle only completes with bytes that match the manifest's size
-//! and SHA-256.
+//! and digest.
 #![no_main]
 
-use fedpo_wire::{sha256, Bundle, BundleProgress, Message};
+use fedpo_wire::{digest, Bundle, BundleProgress, Message};
 use libfuzzer_sys::fuzz_target;
 
 #[path = "common.rs"]
@@ -37,10 +37,10 @@ fuzz_target!(|data: &[u8]| {
         let Ok(Message::Chunk(chunk)) = Message::decode(part, &limits) else { continue };
         if let Ok(BundleProgress::Complete(bytes)) = bundle.accept(chunk) {
             assert_eq!(bytes.main.len() as u64, main.bytes);
-            assert_eq!(sha256(&bytes.main).as_slice(), main.sha256.as_slice());
+            assert_eq!(digest(&bytes.main).as_slice(), main.digest.as_slice());
             for (name, section) in &sections {
                 let got = &bytes.sections[name];
-                assert_eq!(sha256(got).as_slice(), section.sha256.as_slice());
+                assert_eq!(digest(got).as_slice(), section.digest.as_slice());
             }
             return;
         }

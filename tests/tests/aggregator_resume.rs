@@ -72,7 +72,7 @@ fn aggregator_restarted_with_resume_continues_at_the_next_round_from_the_checkpo
         _ => panic!("state is a map"),
     };
     let serde_cbor::Value::Integer(checkpoint_round) = field("round") else { panic!("round") };
-    let serde_cbor::Value::Text(checkpoint_sha) = field("global_sha256") else { panic!("sha") };
+    let serde_cbor::Value::Text(checkpoint_digest) = field("global_digest") else { panic!("digest") };
     let checkpoint_round = checkpoint_round as u64;
 
     let mut second = spawn_aggregator(&url.to_string(), &out, true);
@@ -90,7 +90,7 @@ fn aggregator_restarted_with_resume_continues_at_the_next_round_from_the_checkpo
     let (&first_round, resumed) = after_restart.iter().next().expect("the resumed aggregator planned a round");
     assert_eq!(first_round, checkpoint_round + 1, "resumed at the round after the checkpoint");
     let plan = &resumed.plans[0];
-    assert_eq!(hex::encode(&plan.global_model.sha256), checkpoint_sha, "resumed from the checkpointed model");
+    assert_eq!(hex::encode(&plan.global_model.digest), checkpoint_digest, "resumed from the checkpointed model");
     let records = common::metrics_records(&out);
     let resumed_record = records.iter().find(|r| r["round"] == first_round).unwrap();
     assert_eq!(resumed_record["participants"].as_array().unwrap().len(), 3, "{resumed_record}");

@@ -80,7 +80,7 @@ fn duplicates_count_once_and_nan_late_or_corrupted_updates_change_nothing() {
     assert!(reason.contains("non-finite") || reason.contains("NaN"), "{reason}");
     assert_eq!(records[1]["participants"], serde_json::json!(["dev-0", "dev-1"]), "neither fake update counted");
     let reason = records[1]["rejected"][FAKE].as_str().expect("the corrupted transfer is recorded as rejected");
-    assert!(reason.contains("hash mismatch"), "{reason}");
+    assert!(reason.contains("digest mismatch"), "{reason}");
 
     // Each new global model is the pair-weighted mean of dev-0's and dev-1's (global +
     // delta), each counted once, recomputed from the wire in f64.

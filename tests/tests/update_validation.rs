@@ -35,7 +35,7 @@ fn run(dir: &Path, max_update_norm: &str) -> (serde_json::Value, String, String)
         .stop()
         .iter()
         .find_map(|d| match Message::decode(&d.payload, &Limits::default()) {
-            Ok(Message::Plan(p)) if p.round == 1 => Some(hex::encode(&p.global_model.sha256)),
+            Ok(Message::Plan(p)) if p.round == 1 => Some(hex::encode(&p.global_model.digest)),
             _ => None,
         })
         .expect("the round-1 plan was heard");
@@ -44,7 +44,7 @@ fn run(dir: &Path, max_update_norm: &str) -> (serde_json::Value, String, String)
             .unwrap();
     let summary: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
-    (record, start, summary["global_sha256"].as_str().unwrap().to_string())
+    (record, start, summary["global_digest"].as_str().unwrap().to_string())
 }
 
 #[test]

@@ -135,7 +135,7 @@ impl Server {
                 );
             }
             strategy.restore(&state.strategy_state)?;
-            tracing::info!(round = state.round, sha256 = %state.global_sha256, "resuming from checkpoint");
+            tracing::info!(round = state.round, digest = %state.global_digest, "resuming from checkpoint");
             (global, state)
         } else {
             if resume {
@@ -147,7 +147,7 @@ impl Server {
                 job: job.job.clone(),
                 method: job.method.name().into(),
                 round: 0,
-                global_sha256: global.sha256_hex(),
+                global_digest: global.digest_hex(),
                 devices: BTreeMap::new(),
                 strategy: strategy.name().into(),
                 strategy_state: strategy.state()?,
@@ -226,7 +226,7 @@ impl Server {
             round: self.state.round,
             participants: vec![],
             train_loss: summary.final_train_loss,
-            global_sha256: hex::decode(&self.state.global_sha256).unwrap_or_default(),
+            global_digest: hex::decode(&self.state.global_digest).unwrap_or_default(),
             finished: true,
         };
         // Finished means resumable after a power cut too.
@@ -240,7 +240,7 @@ impl Server {
         summary.bytes_up_total = self.state.bytes_up;
         summary.bytes_down_total = self.state.bytes_down;
         summary.seconds = self.started.elapsed().as_secs_f64();
-        summary.global_sha256 = self.state.global_sha256.clone();
+        summary.global_digest = self.state.global_digest.clone();
         summary.peak_rss_mib = fedpo_device::memory::peak_rss_mib();
         let path = self.out.join("summary.json");
         fedpo_model::io::write_atomic(&path, &serde_json::to_vec_pretty(&summary)?)?;
@@ -490,7 +490,7 @@ impl Server {
             self.state.round = open.round;
             let aggregated = Instant::now();
             let encoded = self.global.encode();
-            self.state.global_sha256 = hex::encode(encoded.sha256());
+            self.state.global_digest = hex::encode(encoded.digest());
             self.encoded_global = Some(encoded);
             let encoded_at = Instant::now();
             self.state.strategy_state = self.strategy.state()?;
@@ -517,7 +517,7 @@ impl Server {
             round: open.round,
             participants,
             train_loss: record.train_loss,
-            global_sha256: hex::decode(&self.state.global_sha256).unwrap_or_default(),
+            global_digest: hex::decode(&self.state.global_digest).unwrap_or_default(),
             finished: false,
         };
         self.link.publish(&self.topics.down(), Message::Result(result).encode())?;

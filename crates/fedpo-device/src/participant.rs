@@ -1,7 +1,7 @@
 //! A device taking part in a federated job.
 //!
 //! The device says hello, then waits. For each round plan that selects it, it collects
-//! the global model's chunks (verified by SHA-256), trains with its private adapter,
+//! the global model's chunks (verified by their digest), trains with its private adapter,
 //! saves the adapter, and uploads the shared delta as an update followed by chunks. It
 //! leaves when the aggregator announces the job finished, or when told to stop.
 
@@ -319,7 +319,7 @@ impl Participant {
                     }
                     self.plan_epoch = plan.sender_epoch;
                     let progress = self.state.progress()?;
-                    let sha = hex::encode(&plan.global_model.sha256);
+                    let model_digest = hex::encode(&plan.global_model.digest);
                     if plan.round < progress.last_round {
                         continue;
                     }
@@ -339,7 +339,7 @@ impl Participant {
                         // The aggregator restarted or reconnected mid-round, or we did, or this
                         // process never sent it: send the same update again.
                         match self.state.last_update() {
-                            Some(sent) if sent.update.round == plan.round && sent.global_sha256 == sha => {
+                            Some(sent) if sent.update.round == plan.round && sent.global_digest == model_digest => {
                                 tracing::info!(round = plan.round, "resending this round's update");
                                 let topic = self.topics.up(&self.cfg.id);
                                 self.summary.bytes_up += publish_update(&self.link, &topic, &sent)?;
@@ -428,13 +428,13 @@ impl Participant {
             .map(|(name, b)| Ok((name, TensorPayload::from_shared(b, &self.limits, true)?)))
             .collect::<Result<_, ParticipantError>>()?;
         tracing::debug!(seconds = format_args!("{:.3}", decoding.elapsed().as_secs_f64()), "model decoded");
-        let sha = hex::encode(&plan.global_model.sha256);
+        let model_digest = hex::encode(&plan.global_model.digest);
         let mut progress = self.state.progress()?;
         let outcome = train_round(
             RoundInputs {
                 plan,
                 global,
-                global_sha256: &sha,
+                global_digest: &model_digest,
                 sections: &sections,
                 train: &self.train,
                 heldout: &self.heldout,
@@ -456,7 +456,7 @@ impl Participant {
             "round trained"
         );
         if plan.secagg.is_some() && !outcome.delta.is_empty() {
-            return self.secure_update(plan, &outcome.delta, sha, outcome.metrics, progress);
+            return self.secure_update(plan, &outcome.delta, model_digest, outcome.metrics, progress);
         }
         let encoding = Instant::now();
         let codec = plan.update_codec;
@@ -478,7 +478,7 @@ impl Participant {
             .map(|(name, tensors)| (name.clone(), TensorPayload::encode(tensors, WireDType::F32)))
             .collect();
         tracing::debug!(seconds = format_args!("{:.3}", encoding.elapsed().as_secs_f64()), %codec, "update encoded");
-        self.send_update(plan.round, sha, encoded, sections, outcome.metrics, progress, residual)
+        self.send_update(plan.round, model_digest, encoded, sections, outcome.metrics, progress, residual)
     }
 
     /// The chunks of an update payload, poisoned first in a simulation's adversary.
@@ -503,7 +503,7 @@ impl Participant {
     fn send_update(
         &mut self,
         round: u64,
-        global_sha256: String,
+        global_digest: String,
         encoded: EncodedPayload,
         sections: Vec<(String, TensorPayload)>,
         metrics: fedpo_wire::UpdateMetrics,
@@ -528,7 +528,7 @@ impl Participant {
             update: manifest,
             sections: manifests,
         };
-        let sent = SentUpdate { global_sha256, update, chunks };
+        let sent = SentUpdate { global_digest, update, chunks };
         progress.last_round = round;
         let state = &self.state;
         let record = || -> Result<(), ParticipantError> {

@@ -32,7 +32,7 @@ pub(crate) struct RoundInputs<'a> {
     pub(crate) plan: &'a RoundPlan,
     /// Owned so that its bytes are freed once the model is built from them.
     pub(crate) global: TensorPayload,
-    pub(crate) global_sha256: &'a str,
+    pub(crate) global_digest: &'a str,
     /// The plan's sections, decoded.
     pub(crate) sections: &'a BTreeMap<String, TensorPayload>,
     pub(crate) train: &'a [TokenizedPair],
@@ -88,7 +88,7 @@ pub(crate) fn train_round(
     };
     // The reference is the first global model this device trained from (with a fresh,
     // zero-effect adapter): fixed for the device's whole life, cached in the state dir.
-    let reference_model = progress.reference_model.clone().unwrap_or_else(|| input.global_sha256.to_string());
+    let reference_model = progress.reference_model.clone().unwrap_or_else(|| input.global_digest.to_string());
     let score = |pairs: &[TokenizedPair], file: &str| {
         load_or_score_pairs(&state.path(file), &reference_model, &fingerprint(pairs), || {
             score_pairs(&policy, pairs, settings.micro_batch_pairs, settings.pad_id)

@@ -29,15 +29,19 @@ use crate::participant::ParticipantError;
 pub(crate) struct Progress {
     /// Last round trained and uploaded (0: none).
     pub(crate) last_round: u64,
-    /// SHA-256 (hex) of the global model the reference log-probs were computed with.
+    /// Digest (hex) of the global model the reference log-probs were computed with. Only
+    /// ever compared with itself, so a SHA-256 left by an older build stays valid.
     pub(crate) reference_model: Option<String>,
 }
 
 /// An update as sent, for resending.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub(crate) struct SentUpdate {
-    /// SHA-256 (hex) of the global model it was trained from.
-    pub(crate) global_sha256: String,
+    /// Digest (hex) of the global model it was trained from. Files from before the
+    /// BLAKE3 digest hold a SHA-256 under the old name: it matches no plan, so such an
+    /// update is trained again rather than resent.
+    #[serde(alias = "global_sha256")]
+    pub(crate) global_digest: String,
     pub(crate) update: Update,
     pub(crate) chunks: Vec<TransferChunk>,
 }

@@ -75,7 +75,7 @@ pub fn load_hf_dir(dir: &Path, device: &Device) -> Result<HfCheckpoint> {
     Ok(HfCheckpoint { config, base, tokenizer_path })
 }
 
-/// SHA-256 of the policy's base tensors (see [`hash_tensors`]).
+/// The hash of the policy's base tensors (see [`hash_tensors`]).
 pub fn base_hash(policy: &Policy) -> Result<String> {
     hash_tensors(policy.params.with_kind(ParamKind::Base).map(|p| (p.name.as_str(), p.tensor())))
 }

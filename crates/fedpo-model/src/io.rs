@@ -10,8 +10,7 @@ use std::io::Write;
 use std::path::Path;
 
 use candle_core::safetensors::Load;
-use candle_core::{Device, Tensor};
-use sha2::{Digest, Sha256};
+use candle_core::{DType, Device, Storage, Tensor};
 
 use crate::error::{ModelError, Result};
 use crate::weights::TensorSource;
@@ -193,26 +192,37 @@ where
     commit_temporary(&tmp, path, written)
 }
 
-/// SHA-256 over names, shapes and f32 little-endian values, in name order.
+/// BLAKE3 (hex) over names, shapes and f32 little-endian values, in name order.
 ///
-/// Identifies a base model for reference-cache keys and adapter metadata; the dtype the
-/// model runs in does not change the hash.
+/// Identifies a base model in adapter metadata; the dtype the model runs in does not change
+/// the hash. A pFedDPO device saves its adapter every round, so this runs over the whole
+/// base each round: the values of f32 CPU tensors are hashed where they lie, in one call
+/// per tensor, not copied out and fed four bytes at a time.
 pub fn hash_tensors<'a>(tensors: impl IntoIterator<Item = (&'a str, &'a Tensor)>) -> Result<String> {
     let mut sorted: Vec<(&str, &Tensor)> = tensors.into_iter().collect();
     sorted.sort_by(|a, b| a.0.cmp(b.0));
-    let mut hasher = Sha256::new();
+    let mut hasher = blake3::Hasher::new();
     for (name, t) in sorted {
         hasher.update(name.as_bytes());
-        hasher.update([0u8]);
+        hasher.update(&[0u8]);
         for d in t.dims() {
-            hasher.update((*d as u64).to_le_bytes());
+            hasher.update(&(*d as u64).to_le_bytes());
         }
-        let values = t.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-        for v in values {
-            hasher.update(v.to_le_bytes());
+        let t = t.to_dtype(DType::F32)?;
+        let (storage, layout) = t.storage_and_layout();
+        match (&*storage, layout.contiguous_offsets()) {
+            (Storage::Cpu(cpu), Some((start, end))) if cfg!(target_endian = "little") => {
+                hasher.update(bytemuck::cast_slice(&cpu.as_slice::<f32>()?[start..end]));
+            }
+            _ => {
+                drop(storage);
+                for v in t.flatten_all()?.to_vec1::<f32>()? {
+                    hasher.update(&v.to_le_bytes());
+                }
+            }
         }
     }
-    Ok(hex::encode(hasher.finalize()))
+    Ok(hasher.finalize().to_hex().to_string())
 }
 
 #[cfg(test)]
@@ -358,5 +368,17 @@ mod tests {
         assert_eq!(h1, h2);
         let c = Tensor::new(&[3.5f32], &Device::Cpu).unwrap();
         assert_ne!(h1, hash_tensors([("a", &a), ("b", &c)]).unwrap());
+    }
+
+    #[test]
+    fn tensor_hash_is_the_same_for_a_strided_view_its_copy_and_another_dtype() {
+        let w = Tensor::arange(0f32, 6.0, &Device::Cpu).unwrap().reshape((2, 3)).unwrap();
+        let strided = w.t().unwrap(); // hashed value by value
+        let copy = strided.contiguous().unwrap(); // hashed where it lies
+        let hash = hash_tensors([("w", &copy)]).unwrap();
+        assert_eq!(hash_tensors([("w", &strided)]).unwrap(), hash);
+        let half = copy.to_dtype(DType::F16).unwrap(); // these values are exact in f16
+        assert_eq!(hash_tensors([("w", &half)]).unwrap(), hash);
+        assert_ne!(hash_tensors([("w", &w)]).unwrap(), hash, "a transpose is another tensor");
     }
 }

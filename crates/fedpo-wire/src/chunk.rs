@@ -1,25 +1,19 @@
 //! Splitting a payload into chunks and putting it back together.
 //!
-//! The sender announces a [`Manifest`] (size, chunk count, SHA-256) and then publishes the
+//! The sender announces a [`Manifest`] (size, chunk count, digest) and then publishes the
 //! chunks. The [`Reassembler`] accepts them in any order, ignores duplicates (QoS 1 may
 //! deliver twice), refuses chunks that do not fit the manifest, and releases the bytes
-//! only when their SHA-256 matches.
+//! only when their digest matches.
 
 use std::path::Path;
 
-use sha2::{Digest, Sha256};
-
+use crate::digest::{digest, Hasher};
 use crate::encoded::EncodedPayload;
 use crate::error::{Result, WireError};
 use crate::limits::Limits;
 use crate::message::{Manifest, TransferChunk};
 use crate::parts::Parts;
 use crate::tensor::TensorPayload;
-
-/// SHA-256 of bytes.
-pub fn sha256(bytes: &[u8]) -> Vec<u8> {
-    Sha256::digest(bytes).to_vec()
-}
 
 /// The manifest and chunks of a payload.
 pub fn split_payload(transfer: &str, payload: &TensorPayload, chunk_bytes: usize) -> (Manifest, Vec<TransferChunk>) {
@@ -47,10 +41,10 @@ pub struct Reassembler {
     received: u32,
     bytes_so_far: u64,
     done: bool,
-    /// SHA-256 of the chunks so far while they arrive in order (as one MQTT connection
+    /// Digest of the chunks so far while they arrive in order (as one MQTT connection
     /// delivers them), so the last chunk needs no pass over the whole transfer; `None`
     /// once one came out of order, and the hash is then taken at the end.
-    in_order: Option<(Sha256, u32)>,
+    in_order: Option<(Hasher, u32)>,
 }
 
 impl Reassembler {
@@ -65,13 +59,13 @@ impl Reassembler {
     /// the reassembler is dropped) rather than in memory.
     pub fn spooled(manifest: Manifest, limits: &Limits, dir: &Path) -> Result<Self> {
         manifest.validate(limits)?;
-        let name = format!("{}.part", hex::encode(&sha256(manifest.transfer.as_bytes())[..12]));
+        let name = format!("{}.part", hex::encode(&digest(manifest.transfer.as_bytes())[..12]));
         let parts = Parts::spool(dir.join(name), manifest.chunks as usize)?;
         Ok(Self::with_parts(manifest, parts))
     }
 
     fn with_parts(manifest: Manifest, parts: Parts) -> Self {
-        Self { manifest, parts, received: 0, bytes_so_far: 0, done: false, in_order: Some((Sha256::new(), 0)) }
+        Self { manifest, parts, received: 0, bytes_so_far: 0, done: false, in_order: Some((Hasher::default(), 0)) }
     }
 
     /// The manifest being assembled.
@@ -118,18 +112,18 @@ impl Reassembler {
         }
         let bytes = self.parts.take_all(self.manifest.bytes as usize)?;
         let found = match self.in_order.take() {
-            Some((hasher, _)) => hasher.finalize().to_vec(),
-            None => sha256(&bytes),
+            Some((hasher, _)) => hasher.finish(),
+            None => digest(&bytes),
         };
-        if found != self.manifest.sha256 || bytes.len() as u64 != self.manifest.bytes {
+        if found != self.manifest.digest || bytes.len() as u64 != self.manifest.bytes {
             // Start over: a corrupted chunk means the transfer must be sent again.
             self.parts.clear()?;
             self.received = 0;
             self.bytes_so_far = 0;
-            self.in_order = Some((Sha256::new(), 0));
+            self.in_order = Some((Hasher::default(), 0));
             return Err(WireError::HashMismatch {
                 transfer: self.manifest.transfer.clone(),
-                expected: hex::encode(&self.manifest.sha256),
+                expected: hex::encode(&self.manifest.digest),
                 found: hex::encode(found),
             });
         }

@@ -3,33 +3,33 @@
 //! A model or an update is hundreds of megabytes. Encoding it into one buffer and then
 //! copying that buffer into chunks costs two passes and two model-sized allocations, on
 //! devices whose memory is the scarcest thing they have. [`EncodedPayload`] writes the
-//! CBOR into chunk-sized pieces as the serialiser produces it and hashes it on the way, so
+//! CBOR into chunk-sized pieces as the serialiser produces it and digests it on the way, so
 //! the pieces become the chunks as they are.
 
 use std::borrow::Cow;
 use std::io::Write;
 
 use serde::ser::{Serialize, SerializeSeq, Serializer};
-use sha2::{Digest, Sha256};
 
 use crate::codec::UpdateCodec;
+use crate::digest::Hasher;
 use crate::message::{Manifest, TensorInfo, TransferChunk};
 use crate::tensor::{TensorPayload, ToWire, WireDType};
 
-/// A payload's wire bytes in pieces of at most `chunk_bytes`, with their SHA-256.
+/// A payload's wire bytes in pieces of at most `chunk_bytes`, with their digest.
 #[derive(Debug, Clone, PartialEq)]
 pub struct EncodedPayload {
     pieces: Vec<Vec<u8>>,
     len: u64,
-    sha256: Vec<u8>,
+    digest: Vec<u8>,
     tensors: Vec<TensorInfo>,
 }
 
-/// Cuts what it is given into pieces of `size` bytes and hashes it.
+/// Cuts what it is given into pieces of `size` bytes and digests it.
 struct PieceWriter {
     size: usize,
     pieces: Vec<Vec<u8>>,
-    hasher: Sha256,
+    hasher: Hasher,
     len: u64,
 }
 
@@ -105,7 +105,7 @@ impl<T: ToWire> Serialize for LazyTensors<'_, T> {
 }
 
 impl EncodedPayload {
-    /// Encodes `payload` into pieces of `chunk_bytes` (at least 1) and hashes it.
+    /// Encodes `payload` into pieces of `chunk_bytes` (at least 1) and digests it.
     pub fn new(payload: &TensorPayload, chunk_bytes: usize) -> Self {
         let tensors = payload
             .tensors
@@ -130,18 +130,18 @@ impl EncodedPayload {
     }
 
     fn write(payload: &impl Serialize, tensors: Vec<TensorInfo>, chunk_bytes: usize) -> Self {
-        let mut w = PieceWriter { size: chunk_bytes.max(1), pieces: Vec::new(), hasher: Sha256::new(), len: 0 };
+        let mut w = PieceWriter { size: chunk_bytes.max(1), pieces: Vec::new(), hasher: Hasher::default(), len: 0 };
         // Writing to memory cannot fail, and every payload value serialises.
         let _ = serde_cbor::to_writer(&mut w, payload);
         if w.pieces.is_empty() {
             w.pieces.push(Vec::new());
         }
-        Self { pieces: w.pieces, len: w.len, sha256: w.hasher.finalize().to_vec(), tensors }
+        Self { pieces: w.pieces, len: w.len, digest: w.hasher.finish(), tensors }
     }
 
-    /// SHA-256 of the bytes: what receivers verify.
-    pub fn sha256(&self) -> &[u8] {
-        &self.sha256
+    /// The bytes' digest ([`crate::digest`]): what receivers verify.
+    pub fn digest(&self) -> &[u8] {
+        &self.digest
     }
 
     /// The encoded size in bytes.
@@ -173,7 +173,7 @@ impl EncodedPayload {
             transfer: transfer.to_string(),
             bytes: self.len,
             chunks: count,
-            sha256: self.sha256,
+            digest: self.digest,
             tensors: self.tensors,
         };
         (manifest, chunks)
@@ -217,14 +217,14 @@ mod tests {
     }
 
     #[test]
-    fn pieces_are_the_payload_bytes_cut_at_the_chunk_size_and_hashed_whole() {
+    fn pieces_are_the_payload_bytes_cut_at_the_chunk_size_and_digested_whole() {
         let values = (0..10_000).map(|i| i as f32).collect();
         let payload = TensorPayload::encode(&[Named("h.0.mlp.c_fc.weight", vec![10_000], values)], WireDType::F32);
         let whole = payload.to_bytes();
         for chunk_bytes in [1, 7, 4096, whole.len(), whole.len() + 1] {
             let encoded = EncodedPayload::new(&payload, chunk_bytes);
             assert_eq!(encoded.len(), whole.len() as u64);
-            assert_eq!(encoded.sha256(), crate::chunk::sha256(&whole).as_slice());
+            assert_eq!(encoded.digest(), crate::digest(&whole).as_slice());
             let (manifest, chunks) = encoded.into_transfer("r1/global");
             assert_eq!(manifest.chunks as usize, whole.len().div_ceil(chunk_bytes));
             assert!(chunks.iter().all(|c| c.bytes.len() <= chunk_bytes && c.count == manifest.chunks));

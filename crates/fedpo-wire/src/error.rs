@@ -79,14 +79,14 @@ pub enum WireError {
         /// Chunks the manifest announced.
         expected_count: u32,
     },
-    /// The reassembled bytes do not hash to the manifest's SHA-256.
-    #[error("transfer `{transfer}` hash mismatch: expected {expected}, got {found}")]
+    /// The reassembled bytes do not have the manifest's digest.
+    #[error("transfer `{transfer}` digest mismatch: expected {expected}, got {found}")]
     HashMismatch {
         /// The transfer.
         transfer: String,
-        /// SHA-256 announced, hex.
+        /// Digest announced, hex.
         expected: String,
-        /// SHA-256 of the bytes received, hex.
+        /// Digest of the bytes received, hex.
         found: String,
     },
     /// A spool file could not be written or read back.

@@ -1,6 +1,6 @@
 //! fedpo's wire protocol: versioned CBOR messages between devices and the aggregator,
 //! named tensor payloads (f32, bf16, f16 and the compressed int8 and top-k
-//! encodings), and chunked transfers verified by SHA-256.
+//! encodings), and chunked transfers verified by their BLAKE3 digest.
 //!
 //! Everything decoded here is untrusted: [`Message::decode`] and
 //! [`TensorPayload::from_bytes`] (or `from_shared`, which decodes in place) check sizes against [`Limits`] before they allocate, refuse
@@ -11,6 +11,7 @@ mod bundle;
 mod chunk;
 mod codec;
 mod decode;
+mod digest;
 mod encoded;
 mod error;
 pub mod keys;
@@ -23,8 +24,9 @@ mod tensor;
 
 pub use bundle::{check_sections, Bundle, BundleBytes, BundleProgress, MAX_SECTIONS};
 pub use bytes::Bytes;
-pub use chunk::{sha256, split_payload, Progress, Reassembler};
+pub use chunk::{split_payload, Progress, Reassembler};
 pub use codec::{Residual, UpdateCodec, INT8_BLOCK};
+pub use digest::{digest, DIGEST_BYTES};
 pub use encoded::EncodedPayload;
 pub use error::{Result, WireError};
 pub use limits::{Limits, DEFAULT_CHUNK_BYTES};

@@ -1,7 +1,7 @@
 //! The messages devices and the aggregator exchange, each inside a versioned envelope.
 //!
 //! Large content (a global model, an update) never rides in a message itself: the message
-//! carries a [`Manifest`] (tensor list, size, chunk count, SHA-256) and the bytes follow as
+//! carries a [`Manifest`] (tensor list, size, chunk count, digest) and the bytes follow as
 //! [`TransferChunk`]s, so every MQTT packet stays small.
 
 use std::collections::BTreeMap;
@@ -9,12 +9,14 @@ use std::collections::BTreeMap;
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
+use crate::digest::DIGEST_BYTES;
 use crate::error::{Result, WireError};
 use crate::limits::Limits;
 use crate::tensor::{byte_bounds, WireDType};
 
-/// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u16 = 1;
+/// The protocol version this build speaks. Version 2 names transfers by their BLAKE3
+/// digest where version 1 used SHA-256; the two refuse each other by name.
+pub const PROTOCOL_VERSION: u16 = 2;
 
 /// A device announcing itself.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -96,9 +98,9 @@ pub struct Manifest {
     pub bytes: u64,
     /// Number of chunks.
     pub chunks: u32,
-    /// SHA-256 of the whole payload.
+    /// Digest of the whole payload ([`crate::digest`]).
     #[serde(with = "serde_bytes")]
-    pub sha256: Vec<u8>,
+    pub digest: Vec<u8>,
     /// The tensors the payload holds.
     pub tensors: Vec<TensorInfo>,
 }
@@ -202,9 +204,9 @@ pub struct RoundResult {
     pub participants: Vec<String>,
     /// Weighted mean training loss of the participants.
     pub train_loss: f64,
-    /// SHA-256 of the new global model payload.
+    /// Digest of the new global model payload.
     #[serde(with = "serde_bytes")]
-    pub global_sha256: Vec<u8>,
+    pub global_digest: Vec<u8>,
     /// The job is over; devices may exit.
     pub finished: bool,
 }
@@ -323,10 +325,10 @@ impl Manifest {
                 ),
             });
         }
-        if self.sha256.len() != 32 {
+        if self.digest.len() != DIGEST_BYTES {
             return Err(WireError::InvalidField {
-                field: "sha256",
-                reason: format!("{} bytes, expected 32", self.sha256.len()),
+                field: "digest",
+                reason: format!("{} bytes, expected {DIGEST_BYTES}", self.digest.len()),
             });
         }
         Ok(())

@@ -2,7 +2,7 @@
 //!
 //! The aggregator signs every plan it publishes with an Ed25519 key; a device that pins the
 //! matching public key (`fedpo-device run --trust-key`) trains only on plans whose
-//! signature verifies. The plan names the SHA-256 of the global model and of every section,
+//! signature verifies. The plan names the digest of the global model and of every section,
 //! and devices check each transfer against those digests, so one signature covers the
 //! model too. The signed bytes are the plan's CBOR with an empty signature, behind a
 //! domain tag, so a signature can never be replayed as anything else.
@@ -170,7 +170,7 @@ MC4CAQAwBQYDK2VwBCIEIIcSE7MhiSE7IWxuP8sbDD87cpHdl64u81Gdu9NQyFIE
         assert_eq!(verifier.verify(&p), Ok(()));
 
         let mut tampered = p.clone();
-        tampered.global_model.sha256[0] ^= 1; // another model
+        tampered.global_model.digest[0] ^= 1; // another model
         assert_eq!(verifier.verify(&tampered), Err(SignatureError::Invalid { round: 1 }));
         let mut tampered = p.clone();
         tampered.hyper.lr = 10.0;

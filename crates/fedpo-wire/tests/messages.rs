@@ -10,7 +10,7 @@ fn manifest(transfer: &str, bytes: u64, chunks: u32) -> Manifest {
         transfer: transfer.into(),
         bytes,
         chunks,
-        sha256: vec![7; 32],
+        digest: vec![7; 32],
         tensors: vec![TensorInfo { name: "h.0.ln_1.weight".into(), dtype: WireDType::F32, shape: vec![bytes / 4] }],
     }
 }
@@ -121,8 +121,8 @@ fn arb_message() -> impl Strategy<Value = Message> {
             proptest::collection::vec(any::<u8>(), 32),
             any::<bool>()
         )
-            .prop_map(|(round, participants, train_loss, global_sha256, finished)| {
-                Message::Result(RoundResult { round, participants, train_loss, global_sha256, finished })
+            .prop_map(|(round, participants, train_loss, global_digest, finished)| {
+                Message::Result(RoundResult { round, participants, train_loss, global_digest, finished })
             }),
         (name(), "[ -~]{0,80}").prop_map(|(device, reason)| Message::Bye(DeviceBye { device, reason })),
         arb_secagg_message().prop_map(Message::SecAgg),

@@ -52,7 +52,7 @@ fn chunks_in_reverse_order_with_duplicates_reassemble_the_exact_payload() {
         }
     }
     let bytes = done.expect("complete");
-    assert_eq!(sha256(&bytes), manifest.sha256);
+    assert_eq!(digest(&bytes), manifest.digest);
     assert_eq!(TensorPayload::from_bytes(&bytes, &Limits::default(), true).unwrap(), p);
 }
 
@@ -102,7 +102,7 @@ fn distilgpt2_base_in_f32_needs_313_chunks_of_1_mib() {
     let chunks = bytes.div_ceil(DEFAULT_CHUNK_BYTES as u64);
     assert_eq!(chunks, 313);
     let m =
-        Manifest { transfer: "r1/global".into(), bytes, chunks: chunks as u32, sha256: vec![0; 32], tensors: vec![] };
+        Manifest { transfer: "r1/global".into(), bytes, chunks: chunks as u32, digest: vec![0; 32], tensors: vec![] };
     m.validate(&Limits::default()).unwrap();
     let too_few = Manifest { chunks: 312, ..m };
     assert!(too_few.validate(&Limits::default()).is_err());
@@ -168,7 +168,7 @@ fn a_transfer_larger_than_memory_is_refused_naming_it_instead_of_aborting() {
         transfer: "r1/global".into(),
         bytes: 1 << 62,
         chunks: 1 << 22,
-        sha256: vec![0; 32],
+        digest: vec![0; 32],
         tensors: vec![],
     };
     let err = Reassembler::new(m, &limits).err().expect("4 EiB cannot be reserved");

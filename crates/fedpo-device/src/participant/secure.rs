@@ -27,7 +27,7 @@ pub(super) struct SecureRound {
 /// A trained round, ready to be masked and sent.
 pub(super) struct Trained {
     pub(super) values: Vec<f32>,
-    pub(super) global_sha256: String,
+    pub(super) global_digest: String,
     pub(super) metrics: UpdateMetrics,
     pub(super) progress: Progress,
 }
@@ -98,7 +98,7 @@ impl Participant {
         &mut self,
         plan: &RoundPlan,
         delta: &[SharedTensor],
-        global_sha256: String,
+        global_digest: String,
         metrics: UpdateMetrics,
         progress: Progress,
     ) -> Result<(), ParticipantError> {
@@ -123,7 +123,7 @@ impl Participant {
             );
         }
         values.iter_mut().for_each(|v| *v = v.clamp(-range, range));
-        let trained = Trained { values, global_sha256, metrics, progress };
+        let trained = Trained { values, global_digest, metrics, progress };
         if s.sharing.is_some() {
             self.send_masked(trained)
         } else {
@@ -140,6 +140,6 @@ impl Participant {
         let payload = TensorPayload { tensors: vec![WireTensor::masked(&words)] };
         let encoded = EncodedPayload::new(&payload, DEFAULT_CHUNK_BYTES);
         let round = s.round;
-        self.send_update(round, trained.global_sha256, encoded, Vec::new(), trained.metrics, trained.progress, None)
+        self.send_update(round, trained.global_digest, encoded, Vec::new(), trained.metrics, trained.progress, None)
     }
 }
