@@ -92,6 +92,27 @@ multiversion! {
 }
 
 multiversion! {
+    /// `row[j] = e^(row[j] - shift)` in place, returning their sum (lane sums added up in
+    /// f64): a row turned into its softmax's numerators while it is still in cache.
+    pub(crate) fn exp_shifted_in_place / exp_shifted_in_place_at(row: &mut [f32], shift: f32) -> f64 {
+        let mut lanes = [0f32; LANES];
+        let mut chunks = row.chunks_exact_mut(LANES);
+        for chunk in &mut chunks {
+            for k in 0..LANES {
+                chunk[k] = exp_f32(chunk[k] - shift);
+                lanes[k] += chunk[k];
+            }
+        }
+        let mut tail = 0f64;
+        for v in chunks.into_remainder() {
+            *v = exp_f32(*v - shift);
+            tail += *v as f64;
+        }
+        lanes.iter().map(|&v| v as f64).sum::<f64>() + tail
+    }
+}
+
+multiversion! {
     /// `row[j] = -g * e^(row[j] - lse)`, in place: a log-softmax row turned into its
     /// gradient, before the target's `+g`.
     pub(crate) fn scaled_softmax_f32 / scaled_softmax_f32_at(row: &mut [f32], lse: f32, g: f32) {
@@ -207,6 +228,9 @@ mod tests {
         xs[4000] = -200.0;
         xs[4001] = 95.0;
         let base_sum = sum_exp_shifted_at(Level::Baseline, &xs, 10.0);
+        let mut base_exps = xs.clone();
+        let base_exps_sum = exp_shifted_in_place_at(Level::Baseline, &mut base_exps, 10.0);
+        assert_eq!(base_exps_sum.to_bits(), base_sum.to_bits(), "stored and summed-only exponentials agree");
         let base_max = max_f32_at(Level::Baseline, &xs);
         let mut base_rows = xs.clone();
         scaled_softmax_f32_at(Level::Baseline, &mut base_rows, 12.5, 0.75);
@@ -221,6 +245,9 @@ mod tests {
             softmax_in_place_f32_at(level, &mut probs);
             assert!(probs.iter().zip(&base_softmax).all(|(a, b)| a.to_bits() == b.to_bits()), "{level:?} softmax");
             assert_eq!(sum_exp_shifted_at(level, &xs, 10.0).to_bits(), base_sum.to_bits(), "{level:?}");
+            let mut exps = xs.clone();
+            assert_eq!(exp_shifted_in_place_at(level, &mut exps, 10.0).to_bits(), base_sum.to_bits(), "{level:?}");
+            assert!(exps.iter().zip(&base_exps).all(|(a, b)| a.to_bits() == b.to_bits()), "{level:?} exponentials");
             assert_eq!(max_f32_at(level, &xs).to_bits(), base_max.to_bits(), "{level:?}");
             let mut rows = xs.clone();
             scaled_softmax_f32_at(level, &mut rows, 12.5, 0.75);

@@ -3,42 +3,60 @@
 //! The logits (`[tokens, 50257]`, 103 MB at the DistilGPT-2 step) are the largest tensor of
 //! the step. Through separate ops, backward makes their gradient, then candle sums it into
 //! a fresh zero tensor: three logits-sized buffers at once, which set the frozen-base peak.
-//! Here forward keeps the logits inside the op, and backward turns them into their own
-//! gradient in place (`g * (onehot - softmax)`) before the two matmuls read it. The
-//! embedding's gradient goes to the model's [`TiedGradient`](super::TiedGradient) buffer.
+//!
+//! Here the logits never leave the op, and after forward no pass goes over them again:
+//! - forward turns each row, while it is still in cache from its maximum, into the
+//!   numerators of its softmax, `e_j = exp(l_j - max)`, keeping their sum `s`;
+//! - the logits' gradient is `g * (onehot(t) - e / s)`, so backward never writes it. Its
+//!   per-row scale `-g / s` goes onto the `d`-wide side of each matmul (the hidden rows
+//!   for the embedding's gradient, the result rows for the hidden states'), and the
+//!   one-hot part is one row per token: `g * wte[t]` and `g * hidden` scattered into
+//!   `wte`'s gradient at `t`.
+//!
+//! Against turning the logits into their gradient in backward, that is one exponential
+//! and one read and write of the logits fewer per step. The embedding's gradient goes to
+//! the model's [`TiedGradient`](super::TiedGradient) buffer.
 
 use std::sync::{Mutex, PoisonError};
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp3, Device, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor};
+use rayon::prelude::*;
 
-use super::tied_embedding::{head_backward, head_logits_cpu, Slot};
-use super::token_logprobs::{check_targets, logits_into_grad, token_logprobs_cpu, RowMath};
+use super::tied_embedding::{head_logits_cpu, Slot};
+use super::token_logprobs::{check_targets, RowMath};
 use super::{contiguous_slice, CResult};
 
 pub(super) struct HeadLogProbs {
     pub(super) slot: Slot,
-    /// The logits of forward, consumed by backward.
-    logits: Mutex<Option<CpuStorage>>,
+    /// What forward leaves for backward.
+    saved: Mutex<Option<Saved>>,
+}
+
+/// Each row's softmax numerators (in the logits' buffer) and their sums.
+struct Saved {
+    exps: CpuStorage,
+    sums: Vec<f64>,
 }
 
 impl HeadLogProbs {
     pub(super) fn new(slot: Slot) -> Self {
-        Self { slot, logits: Mutex::new(None) }
+        Self { slot, saved: Mutex::new(None) }
     }
 }
 
-/// `g * (onehot - softmax)` in place of the logits, as a tensor of its own.
-fn grad_tensor<T: RowMath>(
-    mut logits: Vec<T>,
-    targets: &[u32],
-    res: &Tensor,
-    grad: &Tensor,
-    vocab: usize,
-) -> CResult<Tensor> {
-    let (res, grad) = (res.to_vec1::<T>()?, grad.to_vec1::<T>()?);
-    logits_into_grad(&mut logits, targets, &res, &grad, vocab);
-    Tensor::from_vec(logits, (targets.len(), vocab), &Device::Cpu)
+/// Each row's target log-probability, with the row turned into its softmax numerators in
+/// place; returns the log-probabilities and the numerators' sums.
+fn logprobs_leaving_exps<T: RowMath>(logits: &mut [T], targets: &[u32], vocab: usize) -> (Vec<T>, Vec<f64>) {
+    logits
+        .par_chunks_mut(vocab)
+        .zip(targets.par_iter())
+        .map(|(row, &t)| {
+            let picked = row[t as usize].to_f64();
+            let (lse, sum) = T::exps_in_place(row);
+            (T::from_f64(picked - lse), sum)
+        })
+        .unzip()
 }
 
 impl CustomOp3 for HeadLogProbs {
@@ -61,10 +79,19 @@ impl CustomOp3 for HeadLogProbs {
             candle_core::bail!("{}: {n} hidden rows but {} targets", self.name(), targets.len());
         }
         check_targets(targets, vocab)?;
-        let logits = head_logits_cpu(self.name(), sh, lh, sw, lw)?;
-        let out = map_float_storage!(&logits, self.name(), T =>
-            token_logprobs_cpu(logits.as_slice::<T>()?, targets, vocab)?);
-        *self.logits.lock().unwrap_or_else(PoisonError::into_inner) = Some(logits);
+        let mut exps = head_logits_cpu(self.name(), sh, lh, sw, lw)?;
+        let (out, sums) = match &mut exps {
+            CpuStorage::F32(l) => {
+                let (out, sums) = logprobs_leaving_exps(l, targets, vocab);
+                (CpuStorage::F32(out), sums)
+            }
+            CpuStorage::F64(l) => {
+                let (out, sums) = logprobs_leaving_exps(l, targets, vocab);
+                (CpuStorage::F64(out), sums)
+            }
+            other => candle_core::bail!("{}: unsupported dtype {:?}", self.name(), other.dtype()),
+        };
+        *self.saved.lock().unwrap_or_else(PoisonError::into_inner) = Some(Saved { exps, sums });
         Ok((out, Shape::from(n)))
     }
 
@@ -73,20 +100,38 @@ impl CustomOp3 for HeadLogProbs {
         hidden: &Tensor,
         wte: &Tensor,
         targets: &Tensor,
-        res: &Tensor,
+        _res: &Tensor,
         grad: &Tensor,
     ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let Some(logits) = self.logits.lock().unwrap_or_else(PoisonError::into_inner).take() else {
+        let Some(Saved { exps, sums }) = self.saved.lock().unwrap_or_else(PoisonError::into_inner).take() else {
             candle_core::bail!("{}: backward ran twice over one forward", self.name());
         };
-        let vocab = wte.dim(0)?;
-        let ids = targets.to_vec1::<u32>()?;
-        let dlogits = match logits {
-            CpuStorage::F32(l) => grad_tensor(l, &ids, res, grad, vocab)?,
-            CpuStorage::F64(l) => grad_tensor(l, &ids, res, grad, vocab)?,
+        let (n, vocab) = (sums.len(), wte.dim(0)?);
+        let exps = match exps {
+            CpuStorage::F32(e) => Tensor::from_vec(e, (n, vocab), &Device::Cpu)?,
+            CpuStorage::F64(e) => Tensor::from_vec(e, (n, vocab), &Device::Cpu)?,
             other => candle_core::bail!("{}: unsupported dtype {:?}", self.name(), other.dtype()),
         };
-        Ok((head_backward(&self.slot, hidden, wte, &dlogits)?, None, None))
+        let g = grad.to_dtype(DType::F64)?.to_vec1::<f64>()?;
+        let softmax_scale: Vec<f64> = g.iter().zip(&sums).map(|(g, s)| -g / s).collect();
+        let column = |values: Vec<f64>| Tensor::from_vec(values, (n, 1), &Device::Cpu)?.to_dtype(exps.dtype());
+        let (softmax_scale, g) = (column(softmax_scale)?, column(g)?);
+        let (want_dhidden, want_dwte) = (hidden.track_op(), wte.track_op());
+        // Detached: a gradient built from tracked tensors would record ops holding the
+        // numerators (logits-sized) alive.
+        let (hidden, wte, targets) = (hidden.detach(), wte.detach(), targets.contiguous()?);
+        if want_dwte {
+            let scaled_hidden = hidden.broadcast_mul(&softmax_scale)?;
+            let onehot_rows = hidden.broadcast_mul(&g)?;
+            super::tied_embedding::add_head_weight_gradient(&self.slot, &exps, &scaled_hidden, &targets, &onehot_rows)?;
+        }
+        let dhidden = want_dhidden
+            .then(|| -> CResult<Tensor> {
+                let softmax_part = exps.matmul(&wte)?.broadcast_mul(&softmax_scale)?;
+                softmax_part + wte.index_select(&targets, 0)?.broadcast_mul(&g)?
+            })
+            .transpose()?;
+        Ok((dhidden, None, None))
     }
 }
 
@@ -141,6 +186,38 @@ mod tests {
         let g = grads.get(hidden.as_tensor()).unwrap().to_dtype(DType::F64).unwrap();
         let err = max_abs_diff(&g, exact_grads.get(hidden64.as_tensor()).unwrap());
         assert!(err < 1e-4, "hidden gradient off by {err}");
+    }
+
+    #[test]
+    fn logits_beyond_the_range_of_f32_exp_give_finite_log_probs_and_gradients() {
+        // logits near +-400: exp of any of them overflows or flushes f32
+        let hidden64 = (randn(&[4, 6], 97) * 40.0).unwrap();
+        let wte64 = (randn(&[30, 6], 98) * 4.0).unwrap();
+        let targets = Tensor::new(&[0u32, 29, 7, 7], &Device::Cpu).unwrap();
+        let weights = Tensor::new(&[1.0f64, -0.5, 0.0, 2.0], &Device::Cpu).unwrap();
+        let run = |dtype: DType| {
+            let hidden = Var::from_tensor(&hidden64.to_dtype(dtype).unwrap()).unwrap();
+            let wte = Var::from_tensor(&wte64.to_dtype(dtype).unwrap()).unwrap();
+            let tied = TiedGradient::default();
+            let logps = tied.head_logprobs(hidden.as_tensor(), wte.as_tensor(), &targets).unwrap();
+            let loss = (logps.to_dtype(DType::F64).unwrap() * &weights).unwrap().sum_all().unwrap();
+            let mut grads = loss.backward().unwrap();
+            tied.collect(wte.as_tensor(), &mut grads).unwrap();
+            let as64 = |t: &Tensor| t.to_dtype(DType::F64).unwrap();
+            let dh = as64(grads.get(hidden.as_tensor()).unwrap());
+            let dw = as64(grads.get(wte.as_tensor()).unwrap());
+            (as64(&logps), dh, dw)
+        };
+        let (exact, exact_dh, exact_dw) = run(DType::F64);
+        let (logps, dh, dw) = run(DType::F32);
+        for (ours, theirs, what) in
+            [(&logps, &exact, "log-probs"), (&dh, &exact_dh, "dhidden"), (&dw, &exact_dw, "dwte")]
+        {
+            assert!(ours.flatten_all().unwrap().to_vec1::<f64>().unwrap().iter().all(|v| v.is_finite()), "{what}");
+            let scale = theirs.abs().unwrap().max_all().unwrap().to_scalar::<f64>().unwrap().max(1.0);
+            let err = max_abs_diff(ours, theirs) / scale;
+            assert!(err < 1e-4, "{what} off by {err} of the largest");
+        }
     }
 
     #[test]

@@ -187,6 +187,30 @@ pub(super) fn head_backward(slot: &Slot, hidden: &Tensor, wte: &Tensor, dlogits:
     want_dhidden.then(|| dlogits.matmul(&wte)).transpose()
 }
 
+/// `wte`'s gradient from [`HeadLogProbs`]'s factors: `exps^T @ scaled_hidden`, added into
+/// the buffer by the matmul itself (or written straight into a new one), then the one-hot
+/// part, `onehot_rows[i]` added to row `targets[i]`. All operands are detached.
+pub(super) fn add_head_weight_gradient(
+    slot: &Slot,
+    exps: &Tensor,
+    scaled_hidden: &Tensor,
+    targets: &Tensor,
+    onehot_rows: &Tensor,
+) -> CResult<()> {
+    let (exps, scaled_hidden) = (exps.contiguous()?, scaled_hidden.contiguous()?);
+    let mut guard = slot.lock().unwrap_or_else(PoisonError::into_inner);
+    let acc = match guard.take() {
+        Some(acc) => {
+            acc.inplace_op3(&exps, &scaled_hidden, &AddMatmulTn)?;
+            acc
+        }
+        None => exps.apply_op2_no_bwd(&scaled_hidden, &MatmulTn)?,
+    };
+    acc.inplace_op3(targets, &onehot_rows.contiguous()?, &ScatterAddRows)?;
+    *guard = Some(acc);
+    Ok(())
+}
+
 fn add_slices<T: WithDType>(acc: &mut [T], src: &[T]) {
     acc.iter_mut().zip(src).for_each(|(a, &s)| *a += s);
 }
