@@ -3,6 +3,8 @@
 use tracing_subscriber::EnvFilter;
 
 fn main() {
+    // In-process devices train here too (simulate, experiment).
+    fedpo_device::threads::park_idle_candle_workers_quickly();
     tracing_subscriber::fmt()
         .with_env_filter(
             EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,rumqttd=off,rumqttc=warn")),

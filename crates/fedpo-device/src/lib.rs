@@ -11,3 +11,4 @@ pub mod memory;
 pub mod participant;
 mod round;
 mod state_dir;
+pub mod threads;

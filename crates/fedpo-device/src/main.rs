@@ -45,6 +45,7 @@ enum Command {
 }
 
 fn main() -> Result<()> {
+    fedpo_device::threads::park_idle_candle_workers_quickly();
     fedpo_device::allocator::keep_freed_memory_in_heap();
     tracing_subscriber::fmt()
         .with_env_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,rumqttc=warn")))
