@@ -123,23 +123,11 @@ multiversion! {
 }
 
 multiversion! {
-    /// `row = softmax(row)` in place: the maximum, `e^(x - max)` written back with lane
-    /// sums, then one scaling pass.
+    /// `row = softmax(row)` in place: the maximum, the shifted exponentials written back
+    /// ([`exp_shifted_in_place`]), then one scaling pass.
     pub(crate) fn softmax_in_place_f32 / softmax_in_place_f32_at(row: &mut [f32]) {
         let max = max_f32(row);
-        let mut lanes = [0f32; LANES];
-        let mut chunks = row.chunks_exact_mut(LANES);
-        for chunk in &mut chunks {
-            for k in 0..LANES {
-                chunk[k] = exp_f32(chunk[k] - max);
-                lanes[k] += chunk[k];
-            }
-        }
-        let mut sum = lanes.iter().map(|&v| v as f64).sum::<f64>();
-        for v in chunks.into_remainder() {
-            *v = exp_f32(*v - max);
-            sum += *v as f64;
-        }
+        let sum = exp_shifted_in_place(row, max);
         let inv = (1.0 / sum) as f32;
         row.iter_mut().for_each(|v| *v *= inv);
     }
