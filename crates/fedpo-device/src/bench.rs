@@ -56,31 +56,44 @@ pub(crate) struct BenchArgs {
     /// Seed of the model and the token batch.
     #[arg(long, default_value_t = 0)]
     pub(crate) seed: u64,
-    /// Also time candle's f32 matmul at 2048^3 and at the model's shapes (before the model
-    /// exists) and report the compute-bound fraction, as the peer's `--gemm` does.
+    /// Also time the f32 matmul (candle's and fedpo's own, the faster counts) at 2048^3 and
+    /// at the model's shapes (before the model exists) and report the compute-bound
+    /// fraction, as the peer's `--gemm` does.
     #[arg(long)]
     pub(crate) gemm: bool,
 }
 
-/// f32 matmul GFLOP/s (best and median of 10 after 2 warm-ups) at `(m, k, n)`.
+/// f32 matmul GFLOP/s (best and median of 10 after 2 warm-ups) at `(m, k, n)`, through
+/// candle's `matmul` and through fedpo's own gemm calls (`fedpo_model::ops::matmul`, which
+/// the step's fused ops use), timed alternately. `gflops_best` and `gflops_median` are the
+/// faster path's, so the compute bound is the best this machine's matmul was seen to do.
 fn measure_gemm(shapes: &[(usize, usize, usize)], device: &Device) -> Result<Vec<serde_json::Value>> {
     let mut out = Vec::new();
     for &(m, k, n) in shapes {
         let a = candle_core::Tensor::randn(0f32, 1.0, (m, k), device)?;
         let b = candle_core::Tensor::randn(0f32, 1.0, (k, n), device)?;
-        for _ in 0..2 {
-            a.matmul(&b)?;
+        let paths: [&dyn Fn() -> candle_core::Result<candle_core::Tensor>; 2] =
+            [&|| a.matmul(&b), &|| fedpo_model::ops::matmul(&a, &b)];
+        for path in paths {
+            for _ in 0..2 {
+                path()?;
+            }
         }
-        let mut times = Vec::new();
+        let mut times = [Vec::new(), Vec::new()];
         for _ in 0..10 {
-            let t0 = Instant::now();
-            drop(a.matmul(&b)?);
-            times.push(t0.elapsed().as_secs_f64());
+            for (path, times) in paths.iter().zip(&mut times) {
+                let t0 = Instant::now();
+                drop(path()?);
+                times.push(t0.elapsed().as_secs_f64());
+            }
         }
         let flops = 2.0 * (m * k * n) as f64;
-        let best = times.iter().copied().fold(f64::INFINITY, f64::min);
-        out.push(json!({ "m": m, "k": k, "n": n, "gflops_best": flops / best / 1e9,
-                         "gflops_median": flops / median(&times) / 1e9 }));
+        let best = |times: &[f64]| flops / times.iter().copied().fold(f64::INFINITY, f64::min) / 1e9;
+        let (candle, fedpo) = (best(&times[0]), best(&times[1]));
+        let faster = if fedpo > candle { &times[1] } else { &times[0] };
+        out.push(json!({ "m": m, "k": k, "n": n, "gflops_best": candle.max(fedpo),
+                         "gflops_median": flops / median(faster) / 1e9,
+                         "candle_gflops_best": candle, "fedpo_gflops_best": fedpo }));
     }
     Ok(out)
 }

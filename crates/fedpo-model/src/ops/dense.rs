@@ -9,13 +9,15 @@
 //! element exactly once, or add into an accumulator in the same pass.
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp2, DType, InplaceOp3, Layout, Shape, WithDType};
+use candle_core::{CpuStorage, CustomOp2, DType, InplaceOp3, Layout, Shape, Tensor, WithDType};
+
+use rayon::prelude::*;
 
 use super::{contiguous_slice, CResult};
 
 /// `dst[m x n] = scale * lhs @ rhs`, or with `accumulate`, `dst += scale * lhs @ rhs`;
-/// each operand is a pointer with its (row, column) strides. `threads > 1` lets gemm split
-/// the work over rayon.
+/// each operand is a pointer with its (row, column) strides. `threads > 1` splits the work
+/// over rayon (see [`split_over_threads`]).
 ///
 /// # Safety
 /// Every element the strides address must lie inside its buffer, `dst` must not alias the
@@ -33,32 +35,126 @@ pub(super) unsafe fn gemm_into<T: WithDType>(
     scale: T,
     threads: usize,
 ) {
-    let parallelism = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
-    // SAFETY: the caller's contract is gemm's; gemm computes dst = alpha dst + beta lhs rhs
-    // and reads dst only with read_dst.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst,
-            1,
-            dst_rs as isize,
-            accumulate,
-            lhs,
-            lhs_cs as isize,
-            lhs_rs as isize,
-            rhs,
-            rhs_cs as isize,
-            rhs_rs as isize,
-            T::one(),
-            scale,
-            false,
-            false,
-            false,
-            parallelism,
-        );
+    let one_thread = |(m, n): (usize, usize), dst: *mut T, lhs: *const T, rhs: *const T| {
+        // SAFETY: the caller's contract is gemm's (for a slab, a sub-matrix of it); gemm
+        // computes dst = alpha dst + beta lhs rhs and reads dst only with read_dst.
+        unsafe {
+            gemm::gemm(
+                m,
+                n,
+                k,
+                dst,
+                1,
+                dst_rs as isize,
+                accumulate,
+                lhs,
+                lhs_cs as isize,
+                lhs_rs as isize,
+                rhs,
+                rhs_cs as isize,
+                rhs_rs as isize,
+                T::one(),
+                scale,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            );
+        }
+    };
+    match split_over_threads((m, n, k), threads) {
+        None => one_thread((m, n), dst, lhs, rhs),
+        Some(split) => {
+            let (dst, lhs, rhs) = (SendPtr(dst), SendPtr(lhs.cast_mut()), SendPtr(rhs.cast_mut()));
+            (0..split.parts).into_par_iter().for_each(|part| {
+                let (start, len) = split.slab(part);
+                if len == 0 {
+                    return;
+                }
+                let (dst, lhs, rhs) = (dst.get(), lhs.get().cast_const(), rhs.get().cast_const());
+                // SAFETY: slab `part` is rows (or columns) `start..start + len` of dst and
+                // of lhs (or rhs), inside the caller's matrices; the slabs' dst regions are
+                // disjoint, so no two tasks write one element.
+                unsafe {
+                    match split.along {
+                        Along::Rows => one_thread((len, n), dst.add(start * dst_rs), lhs.add(start * lhs_rs), rhs),
+                        Along::Columns => one_thread((m, len), dst.add(start), lhs, rhs.add(start * rhs_cs)),
+                    }
+                }
+            });
+        }
     }
+}
+
+/// A raw pointer that crosses into rayon's tasks, each of which touches its own slab.
+#[derive(Clone, Copy)]
+struct SendPtr<T>(*mut T);
+
+// SAFETY: only used by `gemm_into`, whose tasks write disjoint slabs and read shared
+// operands that outlive the parallel loop.
+unsafe impl<T> Send for SendPtr<T> {}
+// SAFETY: as above.
+unsafe impl<T> Sync for SendPtr<T> {}
+
+impl<T> SendPtr<T> {
+    /// By value, so that closures capture the whole wrapper rather than its raw field.
+    fn get(self) -> *mut T {
+        self.0
+    }
+}
+
+/// Which of the output's dimensions a parallel matmul is cut along.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Along {
+    Rows,
+    Columns,
+}
+
+/// A matmul's output cut into `parts` slabs of whole rows or columns, one single-threaded
+/// gemm call each.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Split {
+    along: Along,
+    extent: usize,
+    parts: usize,
+}
+
+impl Split {
+    /// The first row (or column) of slab `part` and how many it has.
+    fn slab(&self, part: usize) -> (usize, usize) {
+        let (base, extra) = (self.extent / self.parts, self.extent % self.parts);
+        let start = part * base + part.min(extra);
+        (start, base + usize::from(part < extra))
+    }
+}
+
+/// Below this many multiply-adds a matmul runs on one thread: splitting it costs more
+/// than it saves.
+const MIN_PARALLEL_MACS: usize = 1 << 21;
+/// Fewer rows or columns than this per slab and gemm's micro-kernel runs on edge tiles.
+const MIN_SLAB: usize = 32;
+/// Long sides (the head's 50,257) are cut into slabs of about this many, more slabs than
+/// threads, so that rayon balances them when one core runs slower; each slab re-packs only
+/// the short operand. At the head's shapes this beat one slab per thread by up to 15 %.
+const LONG_SLAB: usize = 4096;
+
+/// How to spread an `[m, n]`-output matmul over `threads` threads, if at all.
+///
+/// gemm's own rayon mode (`Parallelism::Rayon`) scaled poorly on two cores at the step's
+/// narrow and skinny shapes: measured against one single-threaded gemm call per half of
+/// the output, `dx = dy W^T` at DistilGPT-2's MLP shape (1024 x 768, inner 3072) ran at
+/// 180 against 214 GFLOP/s, the head's `e @ wte` (512 x 128, inner 50257) at 182 against
+/// 228 and `e^T @ h` (50257 x 128, inner 512) at 186 against 226; square and wide shapes
+/// ran the same either way. Each slab packs its own share of the cut operand and the
+/// whole of the other, which is why the cut goes along the longer side (columns are
+/// preferred until rows outnumber them twice: at `dx`'s 1024 x 768 they measured faster).
+fn split_over_threads((m, n, k): (usize, usize, usize), threads: usize) -> Option<Split> {
+    if threads < 2 || m.saturating_mul(n).saturating_mul(k) < MIN_PARALLEL_MACS {
+        return None;
+    }
+    let (along, extent) = if n.saturating_mul(2) >= m { (Along::Columns, n) } else { (Along::Rows, m) };
+    let parts = threads.max(extent / LONG_SLAB).min(extent / MIN_SLAB);
+    (parts >= 2).then_some(Split { along, extent, parts })
 }
 
 fn check_float<T: WithDType>(op: &str) -> CResult<()> {
@@ -240,6 +336,36 @@ pub(super) fn mm_accumulate<T: WithDType>(
     unsafe { strided_into(dst.as_mut_ptr(), true, (m, n, k), lhs, rhs, scale) }
 }
 
+/// `a @ b` as a new tensor, for row-major `a: [m, k]` and `b: [k, n]` (no gradient): the
+/// head's hidden-state gradient from its softmax numerators, through [`gemm_into`]'s
+/// threading rather than candle's matmul (which zero-fills first).
+pub(super) struct MatmulNn;
+
+impl CustomOp2 for MatmulNn {
+    fn name(&self) -> &'static str {
+        "matmul-nn"
+    }
+
+    fn cpu_fwd(&self, sa: &CpuStorage, la: &Layout, sb: &CpuStorage, lb: &Layout) -> CResult<(CpuStorage, Shape)> {
+        let ((m, k), (k2, n)) = (la.shape().dims2()?, lb.shape().dims2()?);
+        if k != k2 {
+            candle_core::bail!("{}: [{m}, {k}] @ [{k2}, {n}] do not fit", self.name());
+        }
+        let out = map_float_storage!(sa, self.name(), T => {
+            let (a, b) = (contiguous_slice::<T>(sa, la, self.name())?, contiguous_slice::<T>(sb, lb, self.name())?);
+            mm_new((m, n, k), (a, k, 1), (b, n, 1), T::from_f64(1.0))?
+        });
+        Ok((out, Shape::from((m, n))))
+    }
+}
+
+/// `a @ b` for 2-D f32 or f64 tensors on the CPU, through the same threaded gemm calls as
+/// the model's fused ops (no gradient). `fedpo-device bench --gemm` times it beside
+/// candle's `matmul`, so that the compute bound it reports is the faster of the two.
+pub fn matmul(a: &Tensor, b: &Tensor) -> CResult<Tensor> {
+    a.contiguous()?.apply_op2_no_bwd(&b.contiguous()?, &MatmulNn)
+}
+
 /// `a^T @ b` as a new tensor, for `a: [k, m]` and `b: [k, n]` (no gradient).
 pub(super) struct MatmulTn;
 
@@ -306,7 +432,7 @@ impl InplaceOp3 for AddMatmulTn {
 mod tests {
     use super::super::tests::{max_abs_diff, randn};
     use super::*;
-    use candle_core::{Device, Tensor};
+    use candle_core::Device;
 
     #[test]
     fn direct_matmuls_agree_with_candle_in_every_layout() {
@@ -331,6 +457,90 @@ mod tests {
         let before = acc.copy().unwrap();
         acc.inplace_op3(&at, &bt, &AddMatmulTn).unwrap();
         assert!(max_abs_diff(&acc, &(before + expected).unwrap()) < 1e-12);
+    }
+
+    /// `dst (+)= lhs @ rhs` by the definition, the reference for the threaded matmuls.
+    fn naive_matmul(dst: &mut [f64], (m, n, k): (usize, usize, usize), lhs: Strided<'_, f64>, rhs: Strided<'_, f64>) {
+        for i in 0..m {
+            for j in 0..n {
+                let dot: f64 = (0..k).map(|p| lhs.0[i * lhs.1 + p * lhs.2] * rhs.0[p * rhs.1 + j * rhs.2]).sum();
+                dst[i * n + j] += dot;
+            }
+        }
+    }
+
+    #[test]
+    fn matmuls_split_over_threads_match_the_definition_in_every_layout() {
+        let values = |len: usize, seed: u64| randn(&[len], seed).to_vec1::<f64>().unwrap();
+        // cut along columns, along rows, and along rows into three uneven slabs
+        for ((m, n, k), threads, along) in
+            [((64, 160, 256), 2, Along::Columns), ((300, 40, 192), 2, Along::Rows), ((301, 40, 192), 3, Along::Rows)]
+        {
+            assert_eq!(split_over_threads((m, n, k), threads).map(|s| (s.along, s.parts)), Some((along, threads)));
+            let (lhs, rhs, start) = (values(m * k, 70), values(k * n, 71), values(m * n, 72));
+            for (lhs_transposed, rhs_transposed, accumulate) in
+                [(false, false, false), (true, false, true), (false, true, true), (true, true, false)]
+            {
+                let lhs_strides = if lhs_transposed { (1, m) } else { (k, 1) };
+                let rhs_strides = if rhs_transposed { (1, k) } else { (n, 1) };
+                let mut expected = if accumulate { start.clone() } else { vec![0.0; m * n] };
+                naive_matmul(
+                    &mut expected,
+                    (m, n, k),
+                    (&lhs, lhs_strides.0, lhs_strides.1),
+                    (&rhs, rhs_strides.0, rhs_strides.1),
+                );
+                // stale values where nothing accumulates: gemm must overwrite them
+                let mut ours = if accumulate { start.clone() } else { vec![f64::NAN; m * n] };
+                // SAFETY: the strides address [m, k] and [k, n] inside lhs and rhs; ours is [m, n].
+                unsafe {
+                    gemm_into(
+                        (m, n, k),
+                        ours.as_mut_ptr(),
+                        n,
+                        accumulate,
+                        lhs.as_ptr(),
+                        lhs_strides,
+                        rhs.as_ptr(),
+                        rhs_strides,
+                        1.0,
+                        threads,
+                    );
+                }
+                let err = ours.iter().zip(&expected).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+                assert!(err < 1e-9, "[{m}, {n}, {k}] {lhs_transposed} {rhs_transposed} {accumulate}: off by {err}");
+            }
+        }
+    }
+
+    #[test]
+    fn the_steps_matmuls_are_cut_along_their_longer_side_and_small_ones_not_at_all() {
+        let cut = |mnk, threads| split_over_threads(mnk, threads).map(|s| s.along);
+        // the head's logits, its hidden-state and embedding gradients, and dx = dy W^T
+        assert_eq!(cut((512, 50257, 768), 2), Some(Along::Columns));
+        assert_eq!(cut((512, 128, 50257), 2), Some(Along::Rows));
+        assert_eq!(cut((50257, 128, 512), 2), Some(Along::Rows));
+        assert_eq!(cut((1024, 768, 3072), 2), Some(Along::Columns));
+        assert_eq!(cut((512, 50257, 768), 1), None, "one thread");
+        assert_eq!(cut((7, 5, 3), 2), None, "too few multiply-adds");
+        assert_eq!(cut((40, 40, 2000), 2), None, "slabs would be narrower than a micro-kernel tile");
+    }
+
+    #[test]
+    fn slabs_cover_every_row_once_for_any_thread_count() {
+        for extent in [64, 65, 97, 1000] {
+            for parts in 2..=5 {
+                let split = Split { along: Along::Rows, extent, parts };
+                let mut next = 0;
+                for part in 0..parts {
+                    let (start, len) = split.slab(part);
+                    assert_eq!(start, next, "slab {part} of {parts} over {extent}");
+                    assert!(len == extent / parts || len == extent / parts + 1);
+                    next += len;
+                }
+                assert_eq!(next, extent);
+            }
+        }
     }
 
     #[test]

@@ -23,6 +23,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
+use super::dense::MatmulNn;
 use super::tied_embedding::{head_logits_cpu, Slot};
 use super::token_logprobs::{check_targets, RowMath};
 use super::{contiguous_slice, CResult};
@@ -127,7 +128,8 @@ impl CustomOp3 for HeadLogProbs {
         }
         let dhidden = want_dhidden
             .then(|| -> CResult<Tensor> {
-                let softmax_part = exps.matmul(&wte)?.broadcast_mul(&softmax_scale)?;
+                let softmax_part =
+                    exps.apply_op2_no_bwd(&wte.contiguous()?, &MatmulNn)?.broadcast_mul(&softmax_scale)?;
                 softmax_part + wte.index_select(&targets, 0)?.broadcast_mul(&g)?
             })
             .transpose()?;

@@ -58,6 +58,7 @@ use candle_core::{CpuStorage, Layout, Tensor, WithDType, D};
 
 pub use attention::{causal_self_attention, causal_self_attention_composed};
 pub use block::{fused_block, Adapter, BlockGradients, BlockWeights, Projection};
+pub use dense::matmul;
 pub use gelu::gelu_new;
 pub use layer_norm::layer_norm;
 pub use linear::linear_bias;
