@@ -202,8 +202,12 @@ fn bench_with_gemm_reports_the_matmul_speed_and_the_compute_bound_fraction() {
     let shapes: Vec<(u64, u64, u64)> =
         gemm.iter().map(|g| (g["m"].as_u64().unwrap(), g["k"].as_u64().unwrap(), g["n"].as_u64().unwrap())).collect();
     assert_eq!(shapes, [(2048, 2048, 2048), (32, 128, 384), (32, 128, 512), (32, 128, 50257)]);
+    for g in gemm {
+        let (candle, ours) = (g["candle_gflops_best"].as_f64().unwrap(), g["fedpo_gflops_best"].as_f64().unwrap());
+        assert!(candle > 0.0 && ours > 0.0, "{g}");
+        assert_eq!(g["gflops_best"].as_f64().unwrap(), candle.max(ours), "the bound takes the faster matmul: {g}");
+    }
     let peak = gemm[0]["gflops_best"].as_f64().unwrap();
-    assert!(peak > 0.0);
     let bound = report["lower_bound_seconds_per_step_at_2048_sgemm"].as_f64().unwrap();
     let flops = report["flops_per_step"].as_f64().unwrap();
     assert!((bound - flops / (peak * 1e9)).abs() <= 1e-9 * bound.max(1.0));

@@ -514,6 +514,20 @@ mod tests {
     }
 
     #[test]
+    fn the_public_matmul_matches_candles_at_a_shape_it_splits_and_on_a_transposed_view() {
+        let (m, k, n) = (96, 160, 200);
+        assert!(split_over_threads((m, n, k), 2).is_some());
+        let (a, b) = (randn(&[m, k], 73), randn(&[k, n], 74));
+        let err = max_abs_diff(&matmul(&a, &b).unwrap(), &a.matmul(&b).unwrap());
+        assert!(err < 1e-9, "off by {err}");
+        let bt = randn(&[n, k], 75).t().unwrap();
+        let err = max_abs_diff(&matmul(&a, &bt).unwrap(), &a.matmul(&bt).unwrap());
+        assert!(err < 1e-9, "transposed view off by {err}");
+        let err = matmul(&a, &randn(&[k + 1, n], 76)).unwrap_err().to_string();
+        assert!(err.contains("[96, 160] @ [161, 200] do not fit"), "{err}");
+    }
+
+    #[test]
     fn the_steps_matmuls_are_cut_along_their_longer_side_and_small_ones_not_at_all() {
         let cut = |mnk, threads| split_over_threads(mnk, threads).map(|s| s.along);
         // the head's logits, its hidden-state and embedding gradients, and dx = dy W^T
