@@ -48,6 +48,15 @@ for shape in shapes:
         fs, ps, ks = f["seconds_per_step_median"], p["seconds_per_step_median"], k["seconds_per_step_median"]
         print(f"| {shape} | {mode} | {fs:.3f} | {ps:.3f} | {ks:.3f} | {ps/fs:.2f}x | {min(ps, ks)/fs:.2f}x "
               f"| {f['peak_rss_mb']:.0f} | {p['peak_rss_mb']:.0f} | {f['peak_rss_mb']/p['peak_rss_mb']:.2f} |")
+def peer_shape_bound(p):
+    # fedpo's `seconds_at_shape_speeds` over the peer's forward parts: every matmul kind at
+    # the speed measured at its own shape (c_attn, c_fc, the head)
+    parts, trainable = p["flops_detail"]["parts_forward"], p["base_trainable"]
+    attn, mlp, head = (g["gflops_best"] for g in p["gemm"][1:4])
+    lin_mult, small_mult = (3.0, 3.0) if trainable else (2.0, 3.0)
+    linear = parts["linear"] * lin_mult * (4 / 12 / attn + 8 / 12 / mlp)
+    small = (parts["attention"] + parts["lora"]) * small_mult / attn
+    return (linear + small + parts["lm_head"] * lin_mult / head) / 1e9
 print()
 print("| shape | mode | fedpo matmul GFLOP/s (2048^3) | fedpo bound s/step | fedpo fraction of bound | peer sgemm GFLOP/s (2048^3) | peer bound s/step | peer fraction of bound |")
 print("|---|---|---|---|---|---|---|---|")
@@ -57,4 +66,16 @@ for shape in shapes:
         print(f"| {shape} | {mode} | {f['gemm'][0]['gflops_best']:.0f} | {f['lower_bound_seconds_per_step_at_2048_sgemm']:.3f} "
               f"| {f['fraction_of_sgemm_bound']:.0%} | {p['gemm'][0]['gflops_best']:.0f} "
               f"| {p['lower_bound_seconds_per_step_at_2048_sgemm']:.3f} | {p['fraction_of_sgemm_bound']:.0%} |")
+print()
+print("Bound at each shape's measured speed (c_attn, c_fc and head GFLOP/s):")
+print()
+print("| shape | mode | fedpo GFLOP/s c_attn / c_fc / head | fedpo bound s/step | fedpo fraction of bound | peer GFLOP/s c_attn / c_fc / head | peer bound s/step | peer fraction of bound |")
+print("|---|---|---|---|---|---|---|---|")
+for shape in shapes:
+    for mode in ("trainable", "frozen"):
+        f = load(f"fedpo-{shape}-{mode}.json"); p = load(f"peer-{shape}-{mode}.json")
+        speeds = lambda r: " / ".join(f"{g['gflops_best']:.0f}" for g in r["gemm"][1:4])
+        pb = peer_shape_bound(p)
+        print(f"| {shape} | {mode} | {speeds(f)} | {f['lower_bound_seconds_per_step_at_shape_sgemm']:.3f} "
+              f"| {f['fraction_of_shape_bound']:.0%} | {speeds(p)} | {pb:.3f} | {pb / p['seconds_per_step_median']:.0%} |")
 PY

@@ -112,25 +112,53 @@ fn median(xs: &[f64]) -> f64 {
     }
 }
 
-/// Matmul FLOPs of one step (1 FMA = 2 FLOPs), the peer's formula with the head applied to
-/// response positions only (as fedpo does).
-fn step_flops(
-    cfg: &Gpt2Config,
-    r: usize,
-    seqs: usize,
-    seq_len: usize,
-    head_tokens: usize,
-    base_trainable: bool,
-) -> f64 {
-    let (l, d, v) = (cfg.n_layer as f64, cfg.n_embd as f64, cfg.vocab_size as f64);
-    let t = (seqs * seq_len) as f64;
-    let lin = t * l * 2.0 * 12.0 * d * d;
-    let attn = t * l * 2.0 * 2.0 * d * (seq_len as f64 / 2.0);
-    let lora = t * l * 2.0 * (d * r as f64 + r as f64 * 3.0 * d);
-    let head = head_tokens as f64 * 2.0 * d * v;
-    let fwd = lin + attn + lora + head;
-    let bwd = if base_trainable { 2.0 * fwd } else { lin + 2.0 * attn + 2.0 * lora + head };
-    fwd + bwd
+/// Matmul FLOPs of one step (1 FMA = 2 FLOPs) by kind, forward and backward together: the
+/// peer's formula, with the head applied to response positions only (as fedpo does).
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct StepFlops {
+    /// `c_attn`, `c_proj` and the MLP's two layers.
+    linear: f64,
+    /// `q k^T` and `attention @ v`, causal (half the square on average).
+    attention: f64,
+    lora: f64,
+    head: f64,
+}
+
+impl StepFlops {
+    fn new(cfg: &Gpt2Config, r: usize, seqs: usize, seq_len: usize, head_tokens: usize, base_trainable: bool) -> Self {
+        let (l, d, v) = (cfg.n_layer as f64, cfg.n_embd as f64, cfg.vocab_size as f64);
+        let t = (seqs * seq_len) as f64;
+        let forward = Self {
+            linear: t * l * 2.0 * 12.0 * d * d,
+            attention: t * l * 2.0 * 2.0 * d * (seq_len as f64 / 2.0),
+            lora: t * l * 2.0 * (d * r as f64 + r as f64 * 3.0 * d),
+            head: head_tokens as f64 * 2.0 * d * v,
+        };
+        // backward: an input gradient (1x forward) for every matmul, a weight gradient (1x)
+        // where the weight trains; attention's scores and values both get gradients (2x)
+        let (linear_and_head, attention_and_lora) = if base_trainable { (3.0, 3.0) } else { (2.0, 3.0) };
+        Self {
+            linear: forward.linear * linear_and_head,
+            attention: forward.attention * attention_and_lora,
+            lora: forward.lora * attention_and_lora,
+            head: forward.head * linear_and_head,
+        }
+    }
+
+    fn total(&self) -> f64 {
+        self.linear + self.attention + self.lora + self.head
+    }
+
+    /// Seconds the step's matmuls take if each runs at the speed measured at its own shape:
+    /// the layers' at `(t, d, 3d)` (`c_attn`, and `c_proj`, a third as wide) and `(t, d, 4d)`
+    /// (the MLP), attention and LoRA at the `c_attn` speed, the head at `(t, d, vocab)`.
+    ///
+    /// Against the bound at the 2048^3 speed this one does not count the time a skinny
+    /// matmul loses to memory traffic (the tiny head's `k` is 128) as the step's own.
+    fn seconds_at_shape_speeds(&self, attn_gflops: f64, mlp_gflops: f64, head_gflops: f64) -> f64 {
+        let linear = self.linear * (4.0 / 12.0 / attn_gflops + 8.0 / 12.0 / mlp_gflops);
+        (linear + (self.attention + self.lora) / attn_gflops + self.head / head_gflops) / 1e9
+    }
 }
 
 pub(crate) fn run(args: BenchArgs) -> Result<()> {
@@ -195,7 +223,9 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
     let med = median(&times);
     let seq_len = args.prompt_len + args.resp_len;
     let tokens = 2 * args.pairs * seq_len;
-    let flops = step_flops(&config, 8, 2 * args.pairs, seq_len, 2 * args.pairs * args.resp_len, !args.base_frozen);
+    let step_flops =
+        StepFlops::new(&config, 8, 2 * args.pairs, seq_len, 2 * args.pairs * args.resp_len, !args.base_frozen);
+    let flops = step_flops.total();
     let n_total: usize = policy.params.iter().map(|p| p.tensor().elem_count()).sum();
     let n_train: usize = policy.params.trainable().map(|p| p.tensor().elem_count()).sum();
     let mut report = json!({
@@ -223,6 +253,8 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
         "peak_rss_mb_before_timed_steps": rss_before_timed,
         "threads": rayon_threads(),
         "flops_per_step": flops,
+        "flops_detail": { "linear": step_flops.linear, "attention": step_flops.attention,
+                          "lora": step_flops.lora, "lm_head": step_flops.head },
         "achieved_gflops": flops / med / 1e9,
     });
     if let Some(gemm) = gemm {
@@ -231,6 +263,10 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
         report["gemm"] = json!(gemm);
         report["lower_bound_seconds_per_step_at_2048_sgemm"] = json!(bound);
         report["fraction_of_sgemm_bound"] = json!(bound / med);
+        let speed = |i: usize| gemm[i]["gflops_best"].as_f64().unwrap_or(f64::NAN);
+        let shape_bound = step_flops.seconds_at_shape_speeds(speed(1), speed(2), speed(3));
+        report["lower_bound_seconds_per_step_at_shape_sgemm"] = json!(shape_bound);
+        report["fraction_of_shape_bound"] = json!(shape_bound / med);
     }
     println!("{}", serde_json::to_string_pretty(&report)?);
     Ok(())
@@ -238,4 +274,33 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
 
 fn rayon_threads() -> usize {
     std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn step_flops_reproduce_the_reference_bounds_of_the_distilgpt2_step() {
+        // the reference figures: 2.69 s trainable with every position's logits, about 2.07 s
+        // with response-only logits, 1.80 s frozen, all at 187 GFLOP/s
+        let cfg = Gpt2Config::distilgpt2();
+        let seconds = |head_tokens, trainable| StepFlops::new(&cfg, 8, 8, 128, head_tokens, trainable).total() / 187e9;
+        assert!((seconds(1024, true) - 2.69).abs() < 0.01, "{}", seconds(1024, true));
+        assert!((seconds(512, true) - 2.07).abs() < 0.03, "{}", seconds(512, true));
+        assert!((seconds(1024, false) - 1.80).abs() < 0.01, "{}", seconds(1024, false));
+    }
+
+    #[test]
+    fn the_shape_bound_prices_each_kind_of_matmul_at_its_own_speed() {
+        let flops = StepFlops { linear: 12e9, attention: 1e9, lora: 2e9, head: 5e9 };
+        // all at one speed, the bound is the total over it
+        assert!((flops.seconds_at_shape_speeds(100.0, 100.0, 100.0) - 0.2).abs() < 1e-12);
+        // a slow head costs only the head's share
+        let slow_head = flops.seconds_at_shape_speeds(100.0, 100.0, 50.0);
+        assert!((slow_head - (0.15 + 0.1)).abs() < 1e-12, "{slow_head}");
+        // the MLP's two thirds of the layers at half speed
+        let slow_mlp = flops.seconds_at_shape_speeds(100.0, 50.0, 100.0);
+        assert!((slow_mlp - (0.04 + 0.16 + 0.03 + 0.05)).abs() < 1e-12, "{slow_mlp}");
+    }
 }

@@ -213,6 +213,16 @@ fn bench_with_gemm_reports_the_matmul_speed_and_the_compute_bound_fraction() {
     assert!((bound - flops / (peak * 1e9)).abs() <= 1e-9 * bound.max(1.0));
     let median = report["seconds_per_step_median"].as_f64().unwrap();
     assert!((report["fraction_of_sgemm_bound"].as_f64().unwrap() - bound / median).abs() < 1e-12);
+
+    // the bound at each shape's own speed, recomputed from the report's parts and speeds
+    let part = |k: &str| report["flops_detail"][k].as_f64().unwrap();
+    let (linear, small, head) = (part("linear"), part("attention") + part("lora"), part("lm_head"));
+    assert!((linear + small + head - flops).abs() <= 1e-9 * flops, "the parts must add up to the step's FLOPs");
+    let speed = |i: usize| gemm[i]["gflops_best"].as_f64().unwrap() * 1e9;
+    let expected = linear * (1.0 / 3.0 / speed(1) + 2.0 / 3.0 / speed(2)) + small / speed(1) + head / speed(3);
+    let shape_bound = report["lower_bound_seconds_per_step_at_shape_sgemm"].as_f64().unwrap();
+    assert!((shape_bound - expected).abs() <= 1e-9 * expected, "{shape_bound} vs {expected}");
+    assert!((report["fraction_of_shape_bound"].as_f64().unwrap() - shape_bound / median).abs() < 1e-12);
 }
 
 #[test]
