@@ -53,10 +53,10 @@ def peer_shape_bound(p):
     # the speed measured at its own shape (c_attn, c_fc, the head)
     parts, trainable = p["flops_detail"]["parts_forward"], p["base_trainable"]
     attn, mlp, head = (g["gflops_best"] for g in p["gemm"][1:4])
-    lin_mult, small_mult = (3.0, 3.0) if trainable else (2.0, 3.0)
-    linear = parts["linear"] * lin_mult * (4 / 12 / attn + 8 / 12 / mlp)
-    small = (parts["attention"] + parts["lora"]) * small_mult / attn
-    return (linear + small + parts["lm_head"] * lin_mult / head) / 1e9
+    base = 3.0 if trainable else 2.0
+    linear = parts["linear"] * base * (4 / 12 / attn + 8 / 12 / mlp)
+    small = (parts["attention"] + parts["lora"]) * 3.0 / attn
+    return (linear + small + parts["lm_head"] * base / head) / 1e9
 print()
 print("| shape | mode | fedpo matmul GFLOP/s (2048^3) | fedpo bound s/step | fedpo fraction of bound | peer sgemm GFLOP/s (2048^3) | peer bound s/step | peer fraction of bound |")
 print("|---|---|---|---|---|---|---|---|")

@@ -136,12 +136,12 @@ impl StepFlops {
         };
         // backward: an input gradient (1x forward) for every matmul, a weight gradient (1x)
         // where the weight trains; attention's scores and values both get gradients (2x)
-        let (linear_and_head, attention_and_lora) = if base_trainable { (3.0, 3.0) } else { (2.0, 3.0) };
+        let base = if base_trainable { 3.0 } else { 2.0 };
         Self {
-            linear: forward.linear * linear_and_head,
-            attention: forward.attention * attention_and_lora,
-            lora: forward.lora * attention_and_lora,
-            head: forward.head * linear_and_head,
+            linear: forward.linear * base,
+            attention: forward.attention * 3.0,
+            lora: forward.lora * 3.0,
+            head: forward.head * base,
         }
     }
 
