@@ -13,8 +13,9 @@ use std::time::Instant;
 use anyhow::Result;
 use candle_core::{DType, Device};
 use clap::Args;
-use fedpo_data::TokenizedPair;
+use fedpo_data::{collate, TokenizedPair};
 use fedpo_model::{Gpt2Config, LoraConfig, Partition, PartitionPreset, Policy, PolicySpec};
+use fedpo_train::logps::BatchTensors;
 use fedpo_train::{score_pairs, DpoSettings, LocalTrainer, LossKind, OptimConfig, OptimKind, PreferenceSet};
 use rand::{Rng, SeedableRng};
 use serde_json::json;
@@ -204,7 +205,8 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
         pad_id: vocab - 1,
     };
     let t_ref = Instant::now();
-    let reference = score_pairs(&policy, &pairs, args.pairs, settings.pad_id)?;
+    let pad_id = settings.pad_id;
+    let reference = score_pairs(&policy, &pairs, args.pairs, pad_id)?;
     let ref_s = t_ref.elapsed().as_secs_f64();
     let data = PreferenceSet { pairs, reference };
     let mut trainer = LocalTrainer::new(settings, OptimConfig::new(args.optim, args.lr), args.seed)?;
@@ -223,8 +225,11 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
     let med = median(&times);
     let seq_len = args.prompt_len + args.resp_len;
     let tokens = 2 * args.pairs * seq_len;
-    let step_flops =
-        StepFlops::new(&config, 8, 2 * args.pairs, seq_len, 2 * args.pairs * args.resp_len, !args.base_frozen);
+    // the sequences the model ran: the 2P rows, or one per pair sharing its prompt
+    let step_pairs: Vec<&TokenizedPair> = data.pairs.iter().take(args.pairs).collect();
+    let ran = BatchTensors::new(&collate(&step_pairs, pad_id), DType::F32, &Device::Cpu)?;
+    let (sequences, width) = ran.grid()?;
+    let step_flops = StepFlops::new(&config, 8, sequences, width, 2 * args.pairs * args.resp_len, !args.base_frozen);
     let flops = step_flops.total();
     let n_total: usize = policy.params.iter().map(|p| p.tensor().elem_count()).sum();
     let n_train: usize = policy.params.trainable().map(|p| p.tensor().elem_count()).sum();
@@ -238,6 +243,8 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
         "optimizer": args.optim, "lr": args.lr, "beta": args.beta,
         "pairs": args.pairs, "prompt_len": args.prompt_len, "resp_len": args.resp_len,
         "seqs_per_step": 2 * args.pairs, "tokens_per_step": tokens, "logits_to_keep": true,
+        "shared_prompt": !ran.forks.is_none(), "model_sequences_per_step": sequences,
+        "model_tokens_per_step": sequences * width,
         "warmup_steps": args.warmup, "timed_steps": args.steps,
         "seconds_per_step_median": med,
         "seconds_per_step_min": times.iter().copied().fold(f64::INFINITY, f64::min),

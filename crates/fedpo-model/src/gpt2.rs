@@ -144,8 +144,8 @@ impl Attention {
 
     /// Causal self-attention over `x: [batch * seq_len, d]`. Right padding needs no extra
     /// mask: a real token only ever attends to earlier positions, which are real too.
-    fn forward(&self, x: &Tensor, seq_len: usize) -> CResult<Tensor> {
-        let y = ops::causal_self_attention(&self.c_attn.forward(x)?, seq_len, self.n_head, self.master)?;
+    fn forward(&self, x: &Tensor, seq_len: usize, forks: &ops::Forks) -> CResult<Tensor> {
+        let y = ops::forked_self_attention(&self.c_attn.forward(x)?, seq_len, self.n_head, self.master, forks)?;
         self.c_proj.forward(&y)
     }
 }
@@ -206,14 +206,20 @@ impl Block {
 
     /// `x: [batch * seq_len, d]`: one fused op where it applies ([`ops::fused_block`]),
     /// otherwise the block's ops one by one.
-    fn forward(&self, x: &Tensor, seq_len: usize, grads: Option<&ops::BlockGradients>) -> CResult<Tensor> {
+    fn forward(
+        &self,
+        x: &Tensor,
+        seq_len: usize,
+        forks: &ops::Forks,
+        grads: Option<&ops::BlockGradients>,
+    ) -> CResult<Tensor> {
         if let Some(grads) = grads {
             let weights = self.fused();
             if weights.fits(x) {
-                return ops::fused_block(x, weights, seq_len, grads);
+                return ops::fused_block(x, weights, seq_len, forks, grads);
             }
         }
-        let x = (x + self.attn.forward(&self.ln_1.forward(x)?, seq_len)?)?;
+        let x = (x + self.attn.forward(&self.ln_1.forward(x)?, seq_len, forks)?)?;
         &x + self.mlp.forward(&self.ln_2.forward(&x)?)?
     }
 }
@@ -295,9 +301,17 @@ impl Gpt2 {
 
     /// Final hidden states `[batch, seq, n_embd]` for token ids `[batch, seq]` (u32).
     pub fn hidden_states(&self, input_ids: &Tensor) -> Result<Tensor> {
+        self.hidden_states_forked(input_ids, &ops::Forks::none())
+    }
+
+    /// [`Gpt2::hidden_states`] for sequences that may fork after a shared prefix
+    /// ([`ops::Fork`]): a fork's second branch takes the first's positions and does not
+    /// see it, so each branch's hidden states are those of `prefix ++ branch` alone.
+    pub fn hidden_states_forked(&self, input_ids: &Tensor, forks: &ops::Forks) -> Result<Tensor> {
         let (b, t) = input_ids.dims2()?;
-        if t > self.n_positions {
-            return Err(ModelError::SequenceTooLong { len: t, max: self.n_positions });
+        let longest = (0..b).map(|i| forks.of(i).map_or(t, |f| t.saturating_sub(f.first))).max().unwrap_or(t);
+        if longest > self.n_positions {
+            return Err(ModelError::SequenceTooLong { len: longest, max: self.n_positions });
         }
         let d = self.wte.dim(1)?;
         let ids = input_ids.flatten_all()?;
@@ -306,14 +320,23 @@ impl Gpt2 {
         } else {
             self.wte.index_select(&ids, 0)?
         };
-        let tokens = tokens.reshape((b, t, d))?;
-        let positions = self.wpe.narrow(0, 0, t)?;
-        let x = tokens.to_dtype(self.compute)?.broadcast_add(&positions.to_dtype(self.compute)?)?;
         // The blocks run on rows [b * t, d]; see `Conv1D::forward`.
-        let mut x = x.reshape((b * t, d))?;
+        let mut x = if forks.is_none() {
+            let positions = self.wpe.narrow(0, 0, t)?.to_dtype(self.compute)?;
+            tokens.reshape((b, t, d))?.to_dtype(self.compute)?.broadcast_add(&positions)?.reshape((b * t, d))?
+        } else {
+            let ids: Vec<u32> = (0..b)
+                .flat_map(|i| {
+                    let fork = forks.of(i);
+                    (0..t).map(move |j| fork.map_or(j, |f| f.position(j)) as u32)
+                })
+                .collect();
+            let ids = Tensor::from_vec(ids, b * t, &self.device)?;
+            (tokens.to_dtype(self.compute)? + self.wpe.index_select(&ids, 0)?.to_dtype(self.compute)?)?
+        };
         let fused = self.fused_blocks.then_some(&self.block_grads);
         for block in &self.h {
-            x = block.forward(&x, t, fused)?;
+            x = block.forward(&x, t, forks, fused)?;
         }
         Ok(self.ln_f.forward(&x)?.reshape((b, t, d))?)
     }

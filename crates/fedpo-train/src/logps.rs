@@ -6,17 +6,35 @@
 //! gather run fused ([`fedpo_model::Gpt2::token_logprobs`]): backward turns the logits into
 //! their own gradient in place instead of allocating logits-sized tensors.
 
+use std::sync::OnceLock;
+
 use candle_core::{DType, Device, Tensor};
 use fedpo_data::PairBatch;
+use fedpo_model::ops::{Fork, Forks};
 use fedpo_model::Policy;
 
 use crate::error::Result;
 
+/// Whether batches run each pair's prompt through the model once (see [`BatchTensors`]):
+/// on unless `FEDPO_SHARED_PROMPT` is `0` or `off`, which lays every pair out as two rows
+/// (for comparisons; the results are the same to rounding).
+pub fn shares_prompts() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| !matches!(std::env::var("FEDPO_SHARED_PROMPT").as_deref(), Ok("0" | "off")))
+}
+
 /// A [`PairBatch`] as tensors on the model's device.
+///
+/// Where it saves work, each pair is one sequence `prompt ++ chosen ++ rejected` that forks
+/// after the prompt ([`Fork`]), so the prompt runs through the blocks once for both
+/// responses instead of twice; otherwise each pair is its two rows. The log-probs are the
+/// same either way, in the same order.
 pub struct BatchTensors {
-    /// `[2P, T]` token ids.
+    /// `[S, T]` token ids: the 2P rows, or P forked sequences.
     pub input_ids: Tensor,
-    /// Flat indices into the `[2P * T]` hidden rows that score a response token.
+    /// How the sequences of `input_ids` fork, if they do.
+    pub forks: Forks,
+    /// Flat indices into the `[S * T]` hidden rows that score a response token.
     pub score_rows: Tensor,
     /// The response token each of those rows predicts.
     pub targets: Tensor,
@@ -28,26 +46,107 @@ pub struct BatchTensors {
     pub pairs: usize,
 }
 
+/// Where one of the 2P responses lies in the sequences the model runs.
+struct Placement {
+    /// Flat index of its first token.
+    start: usize,
+    /// Flat index of the hidden row that scores its first token (the prompt's last).
+    first_scorer: usize,
+}
+
+/// The sequences the model runs for a batch: their ids, width and forks, and where each of
+/// the 2P responses lies.
+struct Grid {
+    ids: Vec<u32>,
+    sequences: usize,
+    width: usize,
+    forks: Forks,
+    placements: Vec<Placement>,
+}
+
+impl Grid {
+    /// The 2P rows as they are.
+    fn rows(batch: &PairBatch) -> Self {
+        let t = batch.seq_len;
+        let placements = (0..batch.rows())
+            .map(|row| {
+                let start = row * t + batch.prompt_lens[row];
+                Placement { start, first_scorer: start - 1 }
+            })
+            .collect();
+        Self { ids: batch.input_ids.clone(), sequences: batch.rows(), width: t, forks: Forks::none(), placements }
+    }
+
+    /// One forked sequence per pair, if every pair's two rows share their prompt and the
+    /// sequences hold fewer tokens than the rows. Padding repeats a sequence's last token:
+    /// no real token attends to it and none is scored, so any valid id does.
+    fn forked(batch: &PairBatch) -> Option<Self> {
+        let (p, t) = (batch.pairs, batch.seq_len);
+        let row = |r: usize| &batch.input_ids[r * t..(r + 1) * t];
+        let same_prompt = (0..p).all(|i| {
+            let len = batch.prompt_lens[i];
+            len > 0 && len == batch.prompt_lens[p + i] && row(i)[..len] == row(p + i)[..len]
+        });
+        let lens = |i: usize| (batch.prompt_lens[i], batch.response_lens[i], batch.response_lens[p + i]);
+        let width = (0..p).map(|i| lens(i).0 + lens(i).1 + lens(i).2).max()?;
+        if !same_prompt || p * width >= 2 * p * t {
+            return None;
+        }
+        let mut ids = Vec::with_capacity(p * width);
+        let mut forks = Vec::with_capacity(p);
+        for i in 0..p {
+            let (prompt, chosen, rejected) = lens(i);
+            ids.extend_from_slice(&row(i)[..prompt + chosen]);
+            ids.extend_from_slice(&row(p + i)[prompt..prompt + rejected]);
+            let last = *ids.last().expect("a prompt has at least one token");
+            ids.resize((i + 1) * width, last);
+            forks.push(Fork { prefix: prompt, first: chosen });
+        }
+        let placements = (0..2 * p)
+            .map(|r| {
+                let (i, rejected) = (r % p, r >= p);
+                let (prompt, chosen, _) = lens(i);
+                let seq = i * width;
+                let start = seq + prompt + if rejected { chosen } else { 0 };
+                Placement { start, first_scorer: seq + prompt - 1 }
+            })
+            .collect();
+        Some(Self { ids, sequences: p, width, forks: Forks::new(forks), placements })
+    }
+}
+
 impl BatchTensors {
-    /// Moves a batch onto `device`, building the index tensors.
+    /// Moves a batch onto `device`, building the index tensors; pairs share their prompt
+    /// where [`shares_prompts`] and it saves work.
     pub fn new(batch: &PairBatch, dtype: DType, device: &Device) -> Result<Self> {
-        let (rows, t) = (batch.rows(), batch.seq_len);
+        let grid = shares_prompts().then(|| Grid::forked(batch)).flatten();
+        Self::from_grid(batch, grid.unwrap_or_else(|| Grid::rows(batch)), dtype, device)
+    }
+
+    /// [`BatchTensors::new`] with every pair as its two rows.
+    pub fn unshared(batch: &PairBatch, dtype: DType, device: &Device) -> Result<Self> {
+        Self::from_grid(batch, Grid::rows(batch), dtype, device)
+    }
+
+    fn from_grid(batch: &PairBatch, grid: Grid, dtype: DType, device: &Device) -> Result<Self> {
+        let rows = batch.rows();
         let n = batch.response_tokens();
         let mut score_rows = Vec::with_capacity(n);
         let mut targets = Vec::with_capacity(n);
         let mut segments = vec![0f32; rows * n];
         let mut k = 0;
-        for row in 0..rows {
-            let start = batch.prompt_lens[row];
-            for j in start..start + batch.response_lens[row] {
-                score_rows.push((row * t + j - 1) as u32);
-                targets.push(batch.input_ids[row * t + j]);
+        for (row, place) in grid.placements.iter().enumerate() {
+            for j in 0..batch.response_lens[row] {
+                let at = place.start + j;
+                score_rows.push(if j == 0 { place.first_scorer } else { at - 1 } as u32);
+                targets.push(grid.ids[at]);
                 segments[row * n + k] = 1.0;
                 k += 1;
             }
         }
         Ok(Self {
-            input_ids: Tensor::from_slice(&batch.input_ids, (rows, t), device)?,
+            input_ids: Tensor::from_vec(grid.ids, (grid.sequences, grid.width), device)?,
+            forks: grid.forks,
             score_rows: Tensor::from_vec(score_rows, n, device)?,
             targets: Tensor::from_vec(targets, n, device)?,
             segments: Tensor::from_vec(segments, (rows, n), device)?.to_dtype(dtype)?,
@@ -55,18 +154,23 @@ impl BatchTensors {
             pairs: batch.pairs,
         })
     }
+
+    /// The sequences and their width that the model runs for this batch.
+    pub fn grid(&self) -> Result<(usize, usize)> {
+        Ok(self.input_ids.dims2()?)
+    }
 }
 
 /// Per-row summed log-probs `[2P]` of the responses (chosen rows first), differentiable
 /// with respect to the policy's trainable parameters.
 pub fn sequence_logps(policy: &Policy, batch: &BatchTensors) -> Result<Tensor> {
-    let rows = batch.input_ids.dim(0)?;
+    let rows = batch.segments.dim(0)?;
     let n = batch.targets.dim(0)?;
     let device = batch.input_ids.device();
     if n == 0 {
         return Ok(Tensor::zeros(rows, batch.segments.dtype(), device)?);
     }
-    let hidden = policy.model.hidden_states(&batch.input_ids)?;
+    let hidden = policy.model.hidden_states_forked(&batch.input_ids, &batch.forks)?;
     let d = hidden.dim(2)?;
     let hidden = hidden.reshape(((), d))?.index_select(&batch.score_rows, 0)?;
     let token_logps = policy.model.token_logprobs(&hidden, &batch.targets)?;

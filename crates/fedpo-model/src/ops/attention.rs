@@ -16,6 +16,7 @@ use rayon::prelude::*;
 
 use super::dense::gemm_into;
 use super::fast_math::FastExp;
+use super::fork::{Fork, Forks};
 use super::{contiguous_slice, full_precision, CResult};
 
 /// A raw pointer the per-head tasks share. Each task reads the whole input but writes only
@@ -85,13 +86,16 @@ unsafe fn matmul_into<T: WithDType>(
     unsafe { gemm_into(mnk, dst, dst_rs, false, lhs, lhs_strides, rhs, rhs_strides, alpha, 1) }
 }
 
-/// `probs = softmax(scores)` row by row in place, row `r` over its first `r + 1` entries;
-/// the rest become exactly zero.
-fn causal_softmax_rows<T: FastExp>(probs: &mut [T], t: usize) {
+/// `probs = softmax(scores)` row by row in place, row `r` over its first `r + 1` entries
+/// less those its sequence's fork hides from it; the rest become exactly zero.
+fn causal_softmax_rows<T: FastExp>(probs: &mut [T], t: usize, fork: Option<Fork>) {
     for (r, row) in probs.chunks_mut(t).enumerate() {
         let (seen, masked) = row.split_at_mut(r + 1);
+        let hidden = fork.map_or(0..0, |f| f.hidden_from(r));
+        seen[hidden.clone()].fill(T::from_f64(f64::NEG_INFINITY));
         T::softmax_in_place(seen);
-        masked.iter_mut().for_each(|v| *v = T::zero());
+        seen[hidden].fill(T::zero());
+        masked.fill(T::zero());
     }
 }
 
@@ -99,7 +103,7 @@ fn causal_softmax_rows<T: FastExp>(probs: &mut [T], t: usize) {
 ///
 /// # Safety
 /// `qkv` holds the whole `[batch, t, 3d]` projection.
-unsafe fn head_probs<T: FastExp>(dims: Dims, qkv: *const T, b: usize, h: usize, probs: &mut [T]) {
+unsafe fn head_probs<T: FastExp>(dims: Dims, forks: &Forks, qkv: *const T, b: usize, h: usize, probs: &mut [T]) {
     let (t, d, hd) = (dims.t, dims.d(), dims.head_dim);
     let scale = T::from_f64(1.0 / (hd as f64).sqrt());
     // SAFETY: head h of sequence b lies inside the projection, and `probs` is t x t.
@@ -109,10 +113,10 @@ unsafe fn head_probs<T: FastExp>(dims: Dims, qkv: *const T, b: usize, h: usize, 
         // scale * Q K^T: K^T's (row, col) is K's (col, row)
         matmul_into((t, t, hd), probs.as_mut_ptr(), t, q, (3 * d, 1), k, (1, 3 * d), scale);
     }
-    causal_softmax_rows(probs, t);
+    causal_softmax_rows(probs, t, forks.of(b));
 }
 
-pub(super) fn forward_cpu<T: FastExp>(qkv: &[T], dims: Dims) -> Vec<T> {
+pub(super) fn forward_cpu<T: FastExp>(qkv: &[T], dims: Dims, forks: &Forks) -> Vec<T> {
     let (t, d, hd) = (dims.t, dims.d(), dims.head_dim);
     let mut out = vec![T::zero(); dims.batch * t * d];
     let dst = SharedMut(out.as_mut_ptr());
@@ -123,7 +127,7 @@ pub(super) fn forward_cpu<T: FastExp>(qkv: &[T], dims: Dims) -> Vec<T> {
             // SAFETY: `qkv` is [batch, t, 3d] (checked by the caller), `out` is [batch, t, d],
             // and this task writes only head h's columns of sequence b.
             unsafe {
-                head_probs(dims, qkv.as_ptr(), b, h, probs);
+                head_probs(dims, forks, qkv.as_ptr(), b, h, probs);
                 let v = qkv.as_ptr().add(b * t * 3 * d + 2 * d + h * hd);
                 let y = dst.ptr().add(b * t * d + h * hd);
                 matmul_into((t, hd, t), y, d, probs.as_ptr(), (t, 1), v, (3 * d, 1), T::one());
@@ -136,7 +140,7 @@ pub(super) fn forward_cpu<T: FastExp>(qkv: &[T], dims: Dims) -> Vec<T> {
 /// `d qkv` from `dy`: per head, with `P` recomputed and `S` the scaled scores,
 /// `dV = P^T dY`, `dP = dY V^T`, `dS = P * (dP - rowsum(dP * P))`, and through the scale
 /// `dQ = scale dS K`, `dK = scale dS^T Q`.
-pub(super) fn backward_cpu<T: FastExp>(qkv: &[T], dy: &[T], dims: Dims) -> Vec<T> {
+pub(super) fn backward_cpu<T: FastExp>(qkv: &[T], dy: &[T], dims: Dims, forks: &Forks) -> Vec<T> {
     let (t, d, hd) = (dims.t, dims.d(), dims.head_dim);
     let mut out = vec![T::zero(); qkv.len()];
     let dst = SharedMut(out.as_mut_ptr());
@@ -148,7 +152,7 @@ pub(super) fn backward_cpu<T: FastExp>(qkv: &[T], dy: &[T], dims: Dims) -> Vec<T
             // SAFETY: `qkv` and `out` are [batch, t, 3d], `dy` is [batch, t, d] (checked by
             // the caller); this task writes only head h's q, k and v columns of sequence b.
             unsafe {
-                head_probs(dims, qkv.as_ptr(), b, h, probs);
+                head_probs(dims, forks, qkv.as_ptr(), b, h, probs);
                 let seq = qkv.as_ptr().add(b * t * 3 * d);
                 let (q, k, v) = (seq.add(h * hd), seq.add(d + h * hd), seq.add(2 * d + h * hd));
                 let dy_h = dy.as_ptr().add(b * t * d + h * hd);
@@ -174,6 +178,7 @@ pub(super) fn backward_cpu<T: FastExp>(qkv: &[T], dy: &[T], dims: Dims) -> Vec<T
 struct CausalAttention {
     seq_len: usize,
     n_head: usize,
+    forks: Forks,
 }
 
 impl CustomOp1 for CausalAttention {
@@ -183,12 +188,15 @@ impl CustomOp1 for CausalAttention {
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> CResult<(CpuStorage, Shape)> {
         let dims = Dims::of(l, self.seq_len, self.n_head, self.name())?;
-        let out = map_float_storage!(s, self.name(), T => forward_cpu::<T>(contiguous_slice(s, l, self.name())?, dims));
+        self.forks.check(dims.batch, dims.t, self.name())?;
+        let out = map_float_storage!(s, self.name(), T =>
+            forward_cpu::<T>(contiguous_slice(s, l, self.name())?, dims, &self.forks));
         Ok((out, Shape::from((dims.batch * dims.t, dims.d()))))
     }
 
     fn bwd(&self, qkv: &Tensor, _res: &Tensor, grad: &Tensor) -> CResult<Option<Tensor>> {
-        let backward = CausalAttentionBackward { seq_len: self.seq_len, n_head: self.n_head };
+        let backward =
+            CausalAttentionBackward { seq_len: self.seq_len, n_head: self.n_head, forks: self.forks.clone() };
         Ok(Some(qkv.apply_op2_no_bwd(&grad.contiguous()?, &backward)?))
     }
 }
@@ -196,6 +204,7 @@ impl CustomOp1 for CausalAttention {
 struct CausalAttentionBackward {
     seq_len: usize,
     n_head: usize,
+    forks: Forks,
 }
 
 impl CustomOp2 for CausalAttentionBackward {
@@ -205,11 +214,12 @@ impl CustomOp2 for CausalAttentionBackward {
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> CResult<(CpuStorage, Shape)> {
         let (name, dims) = (self.name(), Dims::of(l1, self.seq_len, self.n_head, self.name())?);
+        self.forks.check(dims.batch, dims.t, name)?;
         if l2.shape().dims() != [dims.batch * dims.t, dims.d()] {
             candle_core::bail!("{name}: gradient of shape {:?} for attention output {:?}", l2.shape(), dims);
         }
         let out = map_float_storage!(s1, name, T =>
-            backward_cpu::<T>(contiguous_slice(s1, l1, name)?, contiguous_slice(s2, l2, name)?, dims));
+            backward_cpu::<T>(contiguous_slice(s1, l1, name)?, contiguous_slice(s2, l2, name)?, dims, &self.forks));
         Ok((out, l1.shape().clone()))
     }
 }
@@ -226,10 +236,22 @@ pub fn causal_self_attention(
     n_head: usize,
     softmax_dtype: candle_core::DType,
 ) -> CResult<Tensor> {
+    forked_self_attention(qkv, seq_len, n_head, softmax_dtype, &Forks::none())
+}
+
+/// [`causal_self_attention`] where each sequence may fork after a shared prefix
+/// ([`Fork`]): a token of a fork's second branch does not see its first.
+pub fn forked_self_attention(
+    qkv: &Tensor,
+    seq_len: usize,
+    n_head: usize,
+    softmax_dtype: candle_core::DType,
+    forks: &Forks,
+) -> CResult<Tensor> {
     if qkv.device().is_cpu() && full_precision(qkv) && qkv.dtype() == softmax_dtype {
-        return qkv.contiguous()?.apply_op1(CausalAttention { seq_len, n_head });
+        return qkv.contiguous()?.apply_op1(CausalAttention { seq_len, n_head, forks: forks.clone() });
     }
-    causal_self_attention_composed(qkv, seq_len, n_head, softmax_dtype)
+    forked_self_attention_composed(qkv, seq_len, n_head, softmax_dtype, forks)
 }
 
 /// The composed version: the fallback, and the fused op's reference.
@@ -239,20 +261,39 @@ pub fn causal_self_attention_composed(
     n_head: usize,
     softmax_dtype: candle_core::DType,
 ) -> CResult<Tensor> {
+    forked_self_attention_composed(qkv, seq_len, n_head, softmax_dtype, &Forks::none())
+}
+
+/// The composed [`forked_self_attention`]: an additive mask per sequence where there are
+/// forks, the causal softmax where there are none.
+pub fn forked_self_attention_composed(
+    qkv: &Tensor,
+    seq_len: usize,
+    n_head: usize,
+    softmax_dtype: candle_core::DType,
+    forks: &Forks,
+) -> CResult<Tensor> {
     let (rows, three_d) = qkv.dims2()?;
     let (t, d) = (seq_len, three_d / 3);
     if t == 0 || rows % t != 0 {
         candle_core::bail!("causal-attention: {rows} rows are not whole sequences of {t} tokens");
     }
     let (b, head_dim) = (rows / t, d / n_head);
+    forks.check(b, t, "causal-attention")?;
     // One copy per head tensor: the reshape is a view of the contiguous projection, and
     // only the transpose to [b, head, t, head_dim] copies.
     let qkv = qkv.reshape((b, t, 3, n_head, head_dim))?;
     let split = |i: usize| -> CResult<Tensor> { qkv.narrow(2, i, 1)?.squeeze(2)?.transpose(1, 2)?.contiguous() };
     let (q, k, v) = (split(0)?, split(1)?, split(2)?);
     let scores = q.matmul(&k.t()?)?.to_dtype(softmax_dtype)?;
-    let probs = super::causal_softmax(&scores, 1.0 / (head_dim as f64).sqrt())?.to_dtype(v.dtype())?;
-    probs.matmul(&v)?.transpose(1, 2)?.reshape((rows, d))
+    let scale = 1.0 / (head_dim as f64).sqrt();
+    let probs = if forks.is_none() {
+        super::causal_softmax(&scores, scale)?
+    } else {
+        let mask = Tensor::from_vec(forks.mask(b, t), (b, 1, t, t), scores.device())?.to_dtype(scores.dtype())?;
+        super::softmax_composed(&(scores * scale)?.broadcast_add(&mask)?)?
+    };
+    probs.to_dtype(v.dtype())?.matmul(&v)?.transpose(1, 2)?.reshape((rows, d))
 }
 
 #[cfg(test)]
@@ -275,6 +316,30 @@ mod tests {
             let (a, b) = (g_fused.get(qkv.as_tensor()).unwrap(), g_comp.get(qkv.as_tensor()).unwrap());
             assert!(max_abs_diff(a, b) < 1e-12, "gradients differ by {}", max_abs_diff(a, b));
         }
+    }
+
+    #[test]
+    fn a_forked_sequence_attends_as_its_prefix_followed_by_either_branch_alone() {
+        // prefix of 3, branch one of 2, branch two of 3: [p; a; b] against [p; a] and [p; b]
+        let (n_head, w) = (2, 3 * 4);
+        let (p, a, b) = (randn(&[3, w], 61), randn(&[2, w], 62), randn(&[3, w], 63));
+        let packed = Tensor::cat(&[&p, &a, &b], 0).unwrap();
+        let forks = Forks::new(vec![Fork { prefix: 3, first: 2 }]);
+        let one = causal_self_attention(&Tensor::cat(&[&p, &a], 0).unwrap(), 5, n_head, DType::F64).unwrap();
+        let two = causal_self_attention(&Tensor::cat(&[&p, &b], 0).unwrap(), 6, n_head, DType::F64).unwrap();
+        let expected = Tensor::cat(&[&one, &two.narrow(0, 3, 3).unwrap()], 0).unwrap();
+        let fused = forked_self_attention(&packed, 8, n_head, DType::F64, &forks).unwrap();
+        let composed = forked_self_attention_composed(&packed, 8, n_head, DType::F64, &forks).unwrap();
+        assert!(max_abs_diff(&fused, &expected) < 1e-12, "{}", max_abs_diff(&fused, &expected));
+        assert!(max_abs_diff(&composed, &expected) < 1e-12);
+        // and the two paths' gradients agree
+        let var = Var::from_tensor(&packed).unwrap();
+        let upstream = randn(&[8, 4], 64);
+        let grad = |y: Tensor| (y * &upstream).unwrap().sum_all().unwrap().backward().unwrap();
+        let g_fused = grad(forked_self_attention(var.as_tensor(), 8, n_head, DType::F64, &forks).unwrap());
+        let g_comp = grad(forked_self_attention_composed(var.as_tensor(), 8, n_head, DType::F64, &forks).unwrap());
+        let (x, y) = (g_fused.get(var.as_tensor()).unwrap(), g_comp.get(var.as_tensor()).unwrap());
+        assert!(max_abs_diff(x, y) < 1e-12, "gradients differ by {}", max_abs_diff(x, y));
     }
 
     #[test]

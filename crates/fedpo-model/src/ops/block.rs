@@ -25,6 +25,7 @@ use rayon::prelude::*;
 
 use super::attention::{self, Dims};
 use super::fast_math::FastExp;
+use super::fork::Forks;
 use super::projection::{projection_backward, projection_forward, AdapterActs, ParamGrads, ProjectionView, Wants};
 use super::{gelu, layer_norm, CResult};
 
@@ -287,6 +288,7 @@ fn layer_norm_backward<T: layer_norm::LayerNormFloat>(
 struct FusedBlock {
     weights: BlockWeights,
     seq_len: usize,
+    forks: Forks,
     saved: Mutex<Option<Saved>>,
     grads: Arc<Mutex<Vec<(Tensor, Tensor)>>>,
 }
@@ -300,7 +302,7 @@ impl FusedBlock {
         let dims = Dims::of_rows(rows, 3 * d, self.seq_len, w.n_head, "fused-block")?;
         let h1 = layer_norm::forward_cpu(x, view.ln_1.0, view.ln_1.1, w.eps);
         let (qkv, a0) = projection_forward(c_attn, &h1, rows, None, w.c_attn.merges())?;
-        let att = attention::forward_cpu(&qkv, dims);
+        let att = attention::forward_cpu(&qkv, dims, &self.forks);
         let (x1, a1) = projection_forward(attn_proj, &att, rows, Some(x), w.attn_proj.merges())?;
         let h2 = layer_norm::forward_cpu(&x1, view.ln_2.0, view.ln_2.1, w.eps);
         let (pre_gelu, a2) = projection_forward(c_fc, &h2, rows, None, w.c_fc.merges())?;
@@ -344,7 +346,7 @@ impl FusedBlock {
         drop(dh2);
         // x1 = x + attention(h1 W_attn) W_proj
         let datt = projection_backward(attn_proj, &acts.adapters[1], &acts.att, &dx1, rows, wants[1], &mut grads)?;
-        let dqkv = attention::backward_cpu(&acts.qkv, &datt, dims);
+        let dqkv = attention::backward_cpu(&acts.qkv, &datt, dims, &self.forks);
         drop(datt);
         let dh1 = projection_backward(c_attn, &acts.adapters[0], &acts.h1, &dqkv, rows, wants[0], &mut grads)?;
         drop(dqkv);
@@ -442,10 +444,22 @@ impl CustomOp2 for FusedBlock {
 }
 
 /// One GPT-2 block over `x: [batch * seq_len, d]` as a single op (see the module docs); the
-/// caller checks [`BlockWeights::fits`] first. Parameter gradients go to `grads`.
-pub fn fused_block(x: &Tensor, weights: BlockWeights, seq_len: usize, grads: &BlockGradients) -> CResult<Tensor> {
+/// caller checks [`BlockWeights::fits`] first. Attention follows the sequences' `forks`.
+/// Parameter gradients go to `grads`.
+pub fn fused_block(
+    x: &Tensor,
+    weights: BlockWeights,
+    seq_len: usize,
+    forks: &Forks,
+    grads: &BlockGradients,
+) -> CResult<Tensor> {
+    let rows = x.dim(0)?;
+    if seq_len == 0 || rows % seq_len != 0 {
+        candle_core::bail!("fused-block: {rows} rows are not whole sequences of {seq_len} tokens");
+    }
+    forks.check(rows / seq_len, seq_len, "fused-block")?;
     let tensors = weights.tensors();
     let anchor = (*tensors.iter().find(|t| t.is_variable()).unwrap_or(&tensors[0])).clone();
-    let op = FusedBlock { weights, seq_len, saved: Mutex::new(None), grads: grads.0.clone() };
+    let op = FusedBlock { weights, seq_len, forks: forks.clone(), saved: Mutex::new(None), grads: grads.0.clone() };
     x.contiguous()?.apply_op2(&anchor, op)
 }

@@ -43,6 +43,7 @@ mod attention;
 mod block;
 mod dense;
 mod fast_math;
+mod fork;
 mod gelu;
 mod head_logprobs;
 mod layer_norm;
@@ -56,9 +57,12 @@ mod token_logprobs;
 
 use candle_core::{CpuStorage, Layout, Tensor, WithDType, D};
 
-pub use attention::{causal_self_attention, causal_self_attention_composed};
+pub use attention::{
+    causal_self_attention, causal_self_attention_composed, forked_self_attention, forked_self_attention_composed,
+};
 pub use block::{fused_block, Adapter, BlockGradients, BlockWeights, Projection};
 pub use dense::matmul;
+pub use fork::{Fork, Forks};
 pub use gelu::gelu_new;
 pub use layer_norm::layer_norm;
 pub use linear::linear_bias;
