@@ -78,4 +78,16 @@ for shape in shapes:
         pb = peer_shape_bound(p)
         print(f"| {shape} | {mode} | {speeds(f)} | {f['lower_bound_seconds_per_step_at_shape_sgemm']:.3f} "
               f"| {f['fraction_of_shape_bound']:.0%} | {speeds(p)} | {pb:.3f} | {pb / p['seconds_per_step_median']:.0%} |")
+print()
+print("fedpo's bound with every matmul of its step (forward, input and weight gradients) at its own shape:")
+print()
+print("| shape | mode | fedpo s/step | bound s/step | fraction of bound | slowest shapes (GFLOP/s) |")
+print("|---|---|---|---|---|---|")
+for shape in shapes:
+    for mode in ("trainable", "frozen"):
+        f = load(f"fedpo-{shape}-{mode}.json")
+        slow = sorted(f["gemm_step_shapes"], key=lambda g: g["gflops_best"])[:3]
+        slow = ", ".join(f"{g['matmul']} {g['gflops_best']:.0f}" for g in slow)
+        print(f"| {shape} | {mode} | {f['seconds_per_step_median']:.3f} | {f['lower_bound_seconds_per_step_at_step_shapes']:.3f} "
+              f"| {f['fraction_of_step_shape_bound']:.0%} | {slow} |")
 PY

@@ -160,6 +160,54 @@ impl StepFlops {
         let linear = self.linear * (4.0 / 12.0 / attn_gflops + 8.0 / 12.0 / mlp_gflops);
         (linear + (self.attention + self.lora) / attn_gflops + self.head / head_gflops) / 1e9
     }
+
+    /// Seconds the step's matmuls take if each runs at the speed measured at its exact
+    /// shape (`speeds` in GFLOP/s, in the order of [`step_matmul_shapes`]), attention and
+    /// LoRA at the first one's (`c_attn`'s forward).
+    fn seconds_at_step_shapes(&self, shapes: &[StepMatmul], speeds: &[f64]) -> f64 {
+        let layers: f64 = shapes.iter().zip(speeds).map(|(s, gflops)| s.flops() / gflops).sum();
+        (layers + (self.attention + self.lora) / speeds[0]) / 1e9
+    }
+}
+
+/// One of the step's dense matmuls: `count` products of `(m, k, n)`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct StepMatmul {
+    what: &'static str,
+    mnk: (usize, usize, usize),
+    count: usize,
+}
+
+impl StepMatmul {
+    fn flops(&self) -> f64 {
+        let (m, k, n) = self.mnk;
+        2.0 * (m * k * n * self.count) as f64
+    }
+}
+
+/// Every dense matmul of a step over `rows` token rows with the head on `head_rows` of them:
+/// per layer the four projections' forward `(rows, in, out)`, input gradient
+/// `(rows, out, in)` and, where the base trains, weight gradient `(in, rows, out)`; the
+/// head's forward `(head_rows, d, vocab)`, hidden-state gradient `(head_rows, vocab, d)`
+/// and embedding gradient `(vocab, head_rows, d)`. Their FLOPs are [`StepFlops`]'s linear
+/// and head parts.
+fn step_matmul_shapes(cfg: &Gpt2Config, rows: usize, head_rows: usize, base_trainable: bool) -> Vec<StepMatmul> {
+    let (d, v, l) = (cfg.n_embd, cfg.vocab_size, cfg.n_layer);
+    let mut out = Vec::new();
+    let mut add = |name: [&'static str; 3], (i, o): (usize, usize), t: usize, count: usize, vocab_rows: bool| {
+        out.push(StepMatmul { what: name[0], mnk: (t, i, o), count });
+        out.push(StepMatmul { what: name[1], mnk: (t, o, i), count });
+        if base_trainable {
+            let mnk = if vocab_rows { (o, t, i) } else { (i, t, o) };
+            out.push(StepMatmul { what: name[2], mnk, count });
+        }
+    };
+    add(["c_attn", "c_attn dx", "c_attn dw"], (d, 3 * d), rows, l, false);
+    add(["attn.c_proj", "attn.c_proj dx", "attn.c_proj dw"], (d, d), rows, l, false);
+    add(["c_fc", "c_fc dx", "c_fc dw"], (d, 4 * d), rows, l, false);
+    add(["mlp.c_proj", "mlp.c_proj dx", "mlp.c_proj dw"], (4 * d, d), rows, l, false);
+    add(["head", "head dh", "head dwte"], (d, v), head_rows, 1, true);
+    out
 }
 
 pub(crate) fn run(args: BenchArgs) -> Result<()> {
@@ -176,10 +224,23 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
     let preset = if args.base_frozen { PartitionPreset::SharedLora } else { PartitionPreset::Pfeddpo };
     let spec =
         PolicySpec { config: config.clone(), lora: Some(LoraConfig::default()), partition: Partition::new(preset) };
+    // the rows the model runs: the 2P rows, or one sequence per pair sharing its prompt
+    let (sequences, width) = {
+        let pair = TokenizedPair {
+            prompt: vec![0; args.prompt_len],
+            chosen: vec![0; args.resp_len],
+            rejected: vec![0; args.resp_len],
+        };
+        BatchTensors::new(&collate(&vec![&pair; args.pairs], 0), DType::F32, &Device::Cpu)?.grid()?
+    };
+    let head_rows = 2 * args.pairs * args.resp_len;
+    let step_shapes = step_matmul_shapes(&config, sequences * width, head_rows, !args.base_frozen);
     let gemm = if args.gemm {
         // the peer's shapes: 2048^3, then c_attn, c_fc and the head at the step's token count
         let (d, v, t) = (config.n_embd, config.vocab_size, 2 * args.pairs * (args.prompt_len + args.resp_len));
-        Some(measure_gemm(&[(2048, 2048, 2048), (t, d, 3 * d), (t, d, 4 * d), (t, d, v)], &device)?)
+        let peer_shapes = measure_gemm(&[(2048, 2048, 2048), (t, d, 3 * d), (t, d, 4 * d), (t, d, v)], &device)?;
+        let mnks: Vec<_> = step_shapes.iter().map(|s| s.mnk).collect();
+        Some((peer_shapes, measure_gemm(&mnks, &device)?))
     } else {
         None
     };
@@ -205,8 +266,7 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
         pad_id: vocab - 1,
     };
     let t_ref = Instant::now();
-    let pad_id = settings.pad_id;
-    let reference = score_pairs(&policy, &pairs, args.pairs, pad_id)?;
+    let reference = score_pairs(&policy, &pairs, args.pairs, settings.pad_id)?;
     let ref_s = t_ref.elapsed().as_secs_f64();
     let data = PreferenceSet { pairs, reference };
     let mut trainer = LocalTrainer::new(settings, OptimConfig::new(args.optim, args.lr), args.seed)?;
@@ -225,11 +285,7 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
     let med = median(&times);
     let seq_len = args.prompt_len + args.resp_len;
     let tokens = 2 * args.pairs * seq_len;
-    // the sequences the model ran: the 2P rows, or one per pair sharing its prompt
-    let step_pairs: Vec<&TokenizedPair> = data.pairs.iter().take(args.pairs).collect();
-    let ran = BatchTensors::new(&collate(&step_pairs, pad_id), DType::F32, &Device::Cpu)?;
-    let (sequences, width) = ran.grid()?;
-    let step_flops = StepFlops::new(&config, 8, sequences, width, 2 * args.pairs * args.resp_len, !args.base_frozen);
+    let step_flops = StepFlops::new(&config, 8, sequences, width, head_rows, !args.base_frozen);
     let flops = step_flops.total();
     let n_total: usize = policy.params.iter().map(|p| p.tensor().elem_count()).sum();
     let n_train: usize = policy.params.trainable().map(|p| p.tensor().elem_count()).sum();
@@ -243,7 +299,7 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
         "optimizer": args.optim, "lr": args.lr, "beta": args.beta,
         "pairs": args.pairs, "prompt_len": args.prompt_len, "resp_len": args.resp_len,
         "seqs_per_step": 2 * args.pairs, "tokens_per_step": tokens, "logits_to_keep": true,
-        "shared_prompt": !ran.forks.is_none(), "model_sequences_per_step": sequences,
+        "shared_prompt": sequences < 2 * args.pairs, "model_sequences_per_step": sequences,
         "model_tokens_per_step": sequences * width,
         "warmup_steps": args.warmup, "timed_steps": args.steps,
         "seconds_per_step_median": med,
@@ -264,7 +320,7 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
                           "lora": step_flops.lora, "lm_head": step_flops.head },
         "achieved_gflops": flops / med / 1e9,
     });
-    if let Some(gemm) = gemm {
+    if let Some((gemm, at_step_shapes)) = gemm {
         let peak = gemm[0]["gflops_best"].as_f64().unwrap_or(f64::NAN);
         let bound = flops / (peak * 1e9);
         report["gemm"] = json!(gemm);
@@ -274,6 +330,19 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
         let shape_bound = step_flops.seconds_at_shape_speeds(speed(1), speed(2), speed(3));
         report["lower_bound_seconds_per_step_at_shape_sgemm"] = json!(shape_bound);
         report["fraction_of_shape_bound"] = json!(shape_bound / med);
+        let speeds: Vec<f64> = at_step_shapes.iter().map(|g| g["gflops_best"].as_f64().unwrap_or(f64::NAN)).collect();
+        let step_bound = step_flops.seconds_at_step_shapes(&step_shapes, &speeds);
+        let detail: Vec<_> = step_shapes
+            .iter()
+            .zip(&at_step_shapes)
+            .map(|(s, g)| {
+                json!({ "matmul": s.what, "per_step": s.count, "m": s.mnk.0, "k": s.mnk.1, "n": s.mnk.2,
+                                  "gflops_best": g["gflops_best"] })
+            })
+            .collect();
+        report["gemm_step_shapes"] = json!(detail);
+        report["lower_bound_seconds_per_step_at_step_shapes"] = json!(step_bound);
+        report["fraction_of_step_shape_bound"] = json!(step_bound / med);
     }
     println!("{}", serde_json::to_string_pretty(&report)?);
     Ok(())
@@ -286,6 +355,31 @@ fn rayon_threads() -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_step_shapes_are_every_linear_and_head_flop_of_the_step_once() {
+        // a shared-prompt step (4 sequences of 192) and a two-row one, trainable and frozen
+        for cfg in [Gpt2Config::distilgpt2(), Gpt2Config::tiny()] {
+            for (seqs, width, trainable) in [(4, 192, true), (4, 192, false), (8, 128, true)] {
+                let flops = StepFlops::new(&cfg, 8, seqs, width, 512, trainable);
+                let shapes = step_matmul_shapes(&cfg, seqs * width, 512, trainable);
+                assert_eq!(shapes.len(), if trainable { 15 } else { 10 });
+                let counted: f64 = shapes.iter().map(StepMatmul::flops).sum();
+                let expected = flops.linear + flops.head;
+                assert!((counted / expected - 1.0).abs() < 1e-12, "{counted} against {expected}");
+                // at one speed everywhere the bound is the plain one
+                let speeds = vec![200.0; shapes.len()];
+                let at_one = flops.seconds_at_step_shapes(&shapes, &speeds);
+                assert!((at_one / (flops.total() / 200e9) - 1.0).abs() < 1e-12);
+                // a slower head shape costs exactly its own FLOPs' extra time
+                let mut slow_head = speeds.clone();
+                let head = shapes.iter().position(|s| s.what == "head").unwrap();
+                slow_head[head] = 100.0;
+                let extra = flops.seconds_at_step_shapes(&shapes, &slow_head) - at_one;
+                assert!((extra - shapes[head].flops() / 200e9).abs() < 1e-12);
+            }
+        }
+    }
 
     #[test]
     fn step_flops_reproduce_the_reference_bounds_of_the_distilgpt2_step() {

@@ -223,6 +223,28 @@ fn bench_with_gemm_reports_the_matmul_speed_and_the_compute_bound_fraction() {
     let shape_bound = report["lower_bound_seconds_per_step_at_shape_sgemm"].as_f64().unwrap();
     assert!((shape_bound - expected).abs() <= 1e-9 * expected, "{shape_bound} vs {expected}");
     assert!((report["fraction_of_shape_bound"].as_f64().unwrap() - shape_bound / median).abs() < 1e-12);
+
+    // every matmul of the step at its own shape: the pair shares its prompt, so the blocks
+    // run one sequence of 8 + 8 + 8 tokens, and the head the 2 x 8 response tokens
+    assert_eq!(report["shared_prompt"], true);
+    assert_eq!(report["model_tokens_per_step"], 24);
+    let step = report["gemm_step_shapes"].as_array().expect("step shapes");
+    assert_eq!(step.len(), 15, "forward, input and weight gradient of 4 projections and the head");
+    let dims = |g: &Value| (g["m"].as_u64().unwrap(), g["k"].as_u64().unwrap(), g["n"].as_u64().unwrap());
+    assert_eq!(dims(&step[0]), (24, 128, 384));
+    assert_eq!(dims(&step[2]), (128, 24, 384), "c_attn's weight gradient");
+    assert_eq!(dims(&step[14]), (50257, 16, 128), "the embedding's gradient from the head");
+    let at_shapes: f64 = step
+        .iter()
+        .map(|g| {
+            let (m, k, n) = dims(g);
+            2.0 * (m * k * n) as f64 * g["per_step"].as_f64().unwrap() / (g["gflops_best"].as_f64().unwrap() * 1e9)
+        })
+        .sum();
+    let expected = at_shapes + small / (step[0]["gflops_best"].as_f64().unwrap() * 1e9);
+    let step_bound = report["lower_bound_seconds_per_step_at_step_shapes"].as_f64().unwrap();
+    assert!((step_bound - expected).abs() <= 1e-9 * expected, "{step_bound} vs {expected}");
+    assert!((report["fraction_of_step_shape_bound"].as_f64().unwrap() - step_bound / median).abs() < 1e-12);
 }
 
 #[test]
