@@ -78,9 +78,10 @@ impl Grid {
     }
 
     /// One forked sequence per pair, if every pair's two rows share their prompt and the
-    /// sequences hold fewer tokens than the rows. Padding repeats a sequence's last token:
-    /// no real token attends to it and none is scored, so any valid id does.
-    fn forked(batch: &PairBatch) -> Option<Self> {
+    /// sequences cost the model less than the rows ([`layout_cost`]). Padding repeats a
+    /// sequence's last token: no real token attends to it and none is scored, so any valid
+    /// id does.
+    fn forked(batch: &PairBatch, n_embd: usize) -> Option<Self> {
         let (p, t) = (batch.pairs, batch.seq_len);
         let row = |r: usize| &batch.input_ids[r * t..(r + 1) * t];
         let same_prompt = (0..p).all(|i| {
@@ -89,7 +90,7 @@ impl Grid {
         });
         let lens = |i: usize| (batch.prompt_lens[i], batch.response_lens[i], batch.response_lens[p + i]);
         let width = (0..p).map(|i| lens(i).0 + lens(i).1 + lens(i).2).max()?;
-        if !same_prompt || p * width >= 2 * p * t {
+        if !same_prompt || layout_cost(p, width, n_embd) >= layout_cost(2 * p, t, n_embd) {
             return None;
         }
         let mut ids = Vec::with_capacity(p * width);
@@ -115,11 +116,26 @@ impl Grid {
     }
 }
 
+/// The model's work for `sequences` of `width` tokens, in multiply-adds per embedding
+/// channel and layer: the projections' `12 d` per token, and attention's `2 width` per
+/// token (the scores and the values of every key, which the kernels compute whole and
+/// mask). A forked sequence saves the prompt's projections but attends over both
+/// responses, so short prompts with long responses are cheaper as two rows.
+fn layout_cost(sequences: usize, width: usize, n_embd: usize) -> u128 {
+    let tokens = (sequences * width) as u128;
+    tokens * (12 * n_embd as u128 + 2 * width as u128)
+}
+
 impl BatchTensors {
-    /// Moves a batch onto `device`, building the index tensors; pairs share their prompt
-    /// where [`shares_prompts`] and it saves work.
-    pub fn new(batch: &PairBatch, dtype: DType, device: &Device) -> Result<Self> {
-        let grid = shares_prompts().then(|| Grid::forked(batch)).flatten();
+    /// Moves a batch onto the policy's device, building the index tensors; pairs share
+    /// their prompt where [`shares_prompts`] and it saves work.
+    pub fn new(batch: &PairBatch, policy: &Policy) -> Result<Self> {
+        Self::for_width(batch, policy.spec.config.n_embd, policy.model_dtype(), &policy.model_device())
+    }
+
+    /// [`BatchTensors::new`] for a model `n_embd` wide, in `dtype` on `device`.
+    pub fn for_width(batch: &PairBatch, n_embd: usize, dtype: DType, device: &Device) -> Result<Self> {
+        let grid = shares_prompts().then(|| Grid::forked(batch, n_embd)).flatten();
         Self::from_grid(batch, grid.unwrap_or_else(|| Grid::rows(batch)), dtype, device)
     }
 

@@ -39,10 +39,9 @@ struct CacheFile {
 /// pass: the reference before training, or a trained policy when scoring.
 pub fn score_pairs(policy: &Policy, pairs: &[TokenizedPair], batch_pairs: usize, pad_id: u32) -> Result<SequenceLogps> {
     let mut out = SequenceLogps { chosen: Vec::with_capacity(pairs.len()), rejected: Vec::with_capacity(pairs.len()) };
-    let (dtype, device) = (policy.model_dtype(), policy.model_device());
     for chunk in pairs.chunks(batch_pairs.max(1)) {
         let refs: Vec<&TokenizedPair> = chunk.iter().collect();
-        let batch = BatchTensors::new(&collate(&refs, pad_id), dtype, &device)?;
+        let batch = BatchTensors::new(&collate(&refs, pad_id), policy)?;
         let values = sequence_logps_values(policy, &batch)?;
         let (c, r) = values.split_at(chunk.len());
         out.chosen.extend_from_slice(c);

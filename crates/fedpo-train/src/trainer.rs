@@ -195,8 +195,7 @@ impl LocalTrainer {
             let pairs: Vec<TokenizedPair> = chunk.iter().map(|&i| data.pairs[i].clone()).collect();
             let refs: (Vec<f64>, Vec<f64>) =
                 chunk.iter().map(|&i| (data.reference.chosen[i], data.reference.rejected[i])).unzip();
-            let batch =
-                BatchTensors::new(&collate(&pairs.iter().collect::<Vec<_>>(), self.settings.pad_id), dtype, &device)?;
+            let batch = BatchTensors::new(&collate(&pairs.iter().collect::<Vec<_>>(), self.settings.pad_id), policy)?;
             let logps = sequence_logps(policy, &batch)?;
             let values: Vec<f64> = logps.detach().to_dtype(candle_core::DType::F64)?.to_vec1()?;
             let out = loss_on_chunk(&self.settings, &values, &pairs, (&refs.0, &refs.1));
@@ -278,12 +277,11 @@ impl LocalTrainer {
 /// Loss, reward accuracy and margin of `policy` on a set, `micro_batch_pairs` at a time
 /// (a forward pass holds as much memory as a training one).
 pub fn evaluate(policy: &Policy, data: &PreferenceSet, settings: &DpoSettings) -> Result<EvalMetrics> {
-    let (dtype, device) = (policy.model_dtype(), policy.model_device());
     let mut t = Totals::default();
     let per_pass = settings.micro_batch_pairs.clamp(1, settings.batch_pairs.max(1));
     for (k, chunk) in data.pairs.chunks(per_pass).enumerate() {
         let offset = k * per_pass;
-        let batch = BatchTensors::new(&collate(&chunk.iter().collect::<Vec<_>>(), settings.pad_id), dtype, &device)?;
+        let batch = BatchTensors::new(&collate(&chunk.iter().collect::<Vec<_>>(), settings.pad_id), policy)?;
         let values = sequence_logps_values(policy, &batch)?;
         let range = offset..offset + chunk.len();
         let out = loss_on_chunk(

@@ -56,9 +56,8 @@ fn logps_and_grads(policy: &Policy, batch: &BatchTensors) -> (Vec<f64>, Vec<(Str
 fn assert_forked_matches_rows(policy: &Policy, tolerance: f64) {
     let pairs = uneven_pairs(6, 3);
     let batch = collate(&pairs.iter().collect::<Vec<_>>(), 63);
-    let (dtype, device) = (policy.model_dtype(), policy.model_device());
-    let forked = BatchTensors::new(&batch, dtype, &device).unwrap();
-    let rows = BatchTensors::unshared(&batch, dtype, &device).unwrap();
+    let forked = BatchTensors::new(&batch, policy).unwrap();
+    let rows = BatchTensors::unshared(&batch, policy.model_dtype(), &policy.model_device()).unwrap();
     let ((s_f, t_f), (s_r, t_r)) = (forked.grid().unwrap(), rows.grid().unwrap());
     assert!(!forked.forks.is_none(), "the batch ran as rows");
     assert!(rows.forks.is_none());
@@ -104,7 +103,23 @@ fn rows_that_do_not_share_their_prompt_run_as_rows() {
     // the rejected row of pair 0 gets another first prompt token
     let t = batch.seq_len;
     batch.input_ids[2 * t] = (batch.input_ids[2 * t] + 1) % 63;
-    let tensors = BatchTensors::new(&batch, DType::F32, &Device::Cpu).unwrap();
+    let tensors = BatchTensors::for_width(&batch, 16, DType::F32, &Device::Cpu).unwrap();
     assert!(tensors.forks.is_none());
     assert_eq!(tensors.grid().unwrap(), (4, t));
+}
+
+#[test]
+fn short_prompts_with_long_responses_run_as_rows_where_forking_would_cost_more() {
+    // a 1-token prompt saves one token's projections (12 x 768 per token and channel) but
+    // a 1 + 300 + 300 sequence attends over twice as many keys as 1 + 300: rows are cheaper
+    let pair = TokenizedPair { prompt: vec![1], chosen: vec![2; 300], rejected: vec![3; 300] };
+    let batch = collate(&[&pair], 0);
+    let long = BatchTensors::for_width(&batch, 768, DType::F32, &Device::Cpu).unwrap();
+    assert!(long.forks.is_none());
+    assert_eq!(long.grid().unwrap(), (2, 301));
+    // a long prompt with the same responses forks
+    let pair = TokenizedPair { prompt: vec![1; 300], chosen: vec![2; 300], rejected: vec![3; 300] };
+    let forked = BatchTensors::for_width(&collate(&[&pair], 0), 768, DType::F32, &Device::Cpu).unwrap();
+    assert!(!forked.forks.is_none());
+    assert_eq!(forked.grid().unwrap(), (1, 900));
 }
