@@ -118,7 +118,10 @@ unsafe fn head_probs<T: FastExp>(dims: Dims, forks: &Forks, qkv: *const T, b: us
 
 pub(super) fn forward_cpu<T: FastExp>(qkv: &[T], dims: Dims, forks: &Forks) -> Vec<T> {
     let (t, d, hd) = (dims.t, dims.d(), dims.head_dim);
-    let mut out = vec![T::zero(); dims.batch * t * d];
+    // Every head's task writes all of its columns (gemm reads none of them), so the
+    // output needs no zero fill first.
+    let n = dims.batch * t * d;
+    let mut out: Vec<T> = Vec::with_capacity(n);
     let dst = SharedMut(out.as_mut_ptr());
     (0..dims.batch * dims.n_head).into_par_iter().for_each_init(
         || vec![T::zero(); t * t],
@@ -134,6 +137,9 @@ pub(super) fn forward_cpu<T: FastExp>(qkv: &[T], dims: Dims, forks: &Forks) -> V
             }
         },
     );
+    // SAFETY: the heads' tasks wrote columns `h * hd..(h + 1) * hd` of every row of every
+    // sequence, for every h: all `n` elements.
+    unsafe { out.set_len(n) };
     out
 }
 
@@ -142,7 +148,9 @@ pub(super) fn forward_cpu<T: FastExp>(qkv: &[T], dims: Dims, forks: &Forks) -> V
 /// `dQ = scale dS K`, `dK = scale dS^T Q`.
 pub(super) fn backward_cpu<T: FastExp>(qkv: &[T], dy: &[T], dims: Dims, forks: &Forks) -> Vec<T> {
     let (t, d, hd) = (dims.t, dims.d(), dims.head_dim);
-    let mut out = vec![T::zero(); qkv.len()];
+    // As in forward: the tasks write every q, k and v column, so no zero fill first.
+    let n = dims.batch * t * 3 * d;
+    let mut out: Vec<T> = Vec::with_capacity(n);
     let dst = SharedMut(out.as_mut_ptr());
     let scale = T::from_f64(1.0 / (hd as f64).sqrt());
     (0..dims.batch * dims.n_head).into_par_iter().for_each_init(
@@ -172,6 +180,9 @@ pub(super) fn backward_cpu<T: FastExp>(qkv: &[T], dy: &[T], dims: Dims, forks: &
             }
         },
     );
+    // SAFETY: every head's task wrote its q, k and v columns of every row of its sequence:
+    // all `n` elements.
+    unsafe { out.set_len(n) };
     out
 }
 

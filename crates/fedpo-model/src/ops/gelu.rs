@@ -8,6 +8,7 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::fast_math::exp_f32;
+use super::fresh::par_filled;
 use super::multiversion::multiversion;
 use super::{contiguous_slice, full_precision, CResult};
 
@@ -70,17 +71,13 @@ multiversion! {
 }
 
 pub(super) fn forward_f32(xs: &[f32]) -> Vec<f32> {
-    let mut out = vec![0f32; xs.len()];
-    out.par_chunks_mut(CHUNK).zip(xs.par_chunks(CHUNK)).for_each(|(out, xs)| forward_chunk(out, xs));
-    out
+    par_filled(xs.len(), CHUNK, |at, out| forward_chunk(out, &xs[at..at + out.len()]))
 }
 
+/// `grads * GELU'(xs)`; `grads` must be as long as `xs`.
 pub(super) fn backward_f32(xs: &[f32], grads: &[f32]) -> Vec<f32> {
-    let mut out = vec![0f32; xs.len()];
-    out.par_chunks_mut(CHUNK)
-        .zip(xs.par_chunks(CHUNK).zip(grads.par_chunks(CHUNK)))
-        .for_each(|(out, (xs, gs))| backward_chunk(out, xs, gs));
-    out
+    let n = xs.len().min(grads.len());
+    par_filled(n, CHUNK, |at, out| backward_chunk(out, &xs[at..at + out.len()], &grads[at..at + out.len()]))
 }
 
 pub(super) fn forward_f64(xs: &[f64]) -> Vec<f64> {

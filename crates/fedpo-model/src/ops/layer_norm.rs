@@ -10,6 +10,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor, WithDType};
 use rayon::prelude::*;
 
+use super::fresh::{par_filled, par_zeroed};
 use super::multiversion::multiversion;
 use super::{contiguous_slice, full_precision, CResult};
 
@@ -42,18 +43,15 @@ impl LayerNormFloat for f64 {
 impl LayerNormFloat for f32 {
     fn forward(x: &[Self], weight: &[Self], bias: &[Self], eps: f64) -> Vec<Self> {
         let d = weight.len().max(1);
-        let mut out = vec![0f32; x.len()];
-        let block = ROWS_PER_TASK * d;
-        out.par_chunks_mut(block).zip(x.par_chunks(block)).for_each(|(out, x)| {
-            normalize_rows(out, x, weight, bias, eps as f32);
-        });
-        out
+        par_filled(x.len(), ROWS_PER_TASK * d, |at, out| {
+            normalize_rows(out, &x[at..at + out.len()], weight, bias, eps as f32);
+        })
     }
 
     fn backward(x: &[Self], weight: &[Self], grad: &[Self], eps: f64) -> Vec<Self> {
         let d = weight.len().max(1);
         let rows = x.len() / d;
-        let mut out = vec![0f32; (rows + 2) * d];
+        let mut out = par_zeroed((rows + 2) * d);
         let (dx, dparams) = out.split_at_mut(rows * d);
         let block = ROWS_PER_TASK * d;
         let sums = dx

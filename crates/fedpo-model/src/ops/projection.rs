@@ -5,7 +5,8 @@
 use candle_core::WithDType;
 
 use super::dense::{mm_accumulate, mm_new};
-use super::linear::{add_bias_rows, column_sums_cpu};
+use super::fresh::{par_copy, par_filled};
+use super::linear::column_sums_cpu;
 use super::CResult;
 
 /// Parameter gradients by index into the block's flat tensor list.
@@ -30,11 +31,21 @@ pub(super) struct ProjectionView<'a, T> {
 }
 
 /// The residual (or zeros) plus `bias` in every row of an `[n, bias.len()]` matrix: what
-/// the matmul then accumulates into.
+/// the matmul then accumulates into, written in one parallel pass.
 fn rows_plus_bias<T: WithDType>(residual: Option<&[T]>, bias: &[T], n: usize) -> Vec<T> {
-    let mut out = residual.map_or_else(|| vec![T::zero(); n * bias.len()], <[T]>::to_vec);
-    add_bias_rows(&mut out, bias);
-    out
+    let width = bias.len().max(1);
+    // Rows in chunks of about 64 KiB keep rayon's per-task overhead small for narrow rows.
+    let rows_per_task = (16_384 / width).max(1);
+    par_filled(n * bias.len(), rows_per_task * width, |at, out| {
+        if let Some(r) = residual {
+            out.copy_from_slice(&r[at..at + out.len()]);
+        }
+        for row in out.chunks_exact_mut(width) {
+            for (o, &b) in row.iter_mut().zip(bias) {
+                *o += b;
+            }
+        }
+    })
 }
 
 /// `out = residual + x @ W + b (+ s x A^T B^T)`, and what backward needs of the adapter.
@@ -51,7 +62,7 @@ pub(super) fn projection_forward<T: WithDType>(
     match p.adapter {
         Some((a, b, scale)) if merge => {
             // W + s A^T B^T: A^T is A read by columns, B^T is B read by columns.
-            let mut merged = p.weight.to_vec();
+            let mut merged = par_copy(p.weight);
             mm_accumulate(&mut merged, (k, m, r), (a, 1, k), (b, 1, r), scale)?;
             mm_accumulate(&mut out, (n, m, k), (x, k, 1), (&merged, m, 1), T::one())?;
             acts.merged = Some(merged);
