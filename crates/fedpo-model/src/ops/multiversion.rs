@@ -15,7 +15,8 @@
 /// compiled for AVX-512 (F, VL, BW, DQ), for AVX2 + FMA, or for the baseline, as the CPU
 /// allows; `name_at(level, args)` runs a chosen version (the tests compare them). The body
 /// must be free of generics, and helpers it calls should be `#[inline(always)]` so they
-/// are compiled into each version.
+/// are compiled into each version. Exported for the optimizer's kernels in `fedpo-train`.
+#[macro_export]
 macro_rules! multiversion {
     ($(#[$attr:meta])* $vis:vis fn $name:ident / $at:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block) => {
         $(#[$attr])*
@@ -56,13 +57,13 @@ macro_rules! multiversion {
     };
 }
 
-pub(crate) use multiversion;
+pub use crate::multiversion;
 
 /// The widest instruction set the dispatched kernels may use on this CPU.
 /// Ordered from narrowest to widest, so `min` of two levels is the one both allow.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 #[allow(dead_code)] // only x86-64 constructs the wide levels
-pub(crate) enum Level {
+pub enum Level {
     Baseline,
     Avx2,
     Avx512,
@@ -70,13 +71,13 @@ pub(crate) enum Level {
 
 /// Every level this CPU runs, narrowest first.
 #[allow(dead_code)] // the tests' list
-pub(crate) fn supported_levels() -> Vec<Level> {
+pub fn supported_levels() -> Vec<Level> {
     [Level::Baseline, Level::Avx2, Level::Avx512].into_iter().filter(|&l| l <= level()).collect()
 }
 
 /// The level for this CPU. `FEDPO_SIMD=baseline` (or `avx2`) caps it, for comparing the
 /// versions or working around a CPU that misreports its features.
-pub(crate) fn level() -> Level {
+pub fn level() -> Level {
     static LEVEL: std::sync::OnceLock<Level> = std::sync::OnceLock::new();
     *LEVEL.get_or_init(|| {
         let cap = std::env::var("FEDPO_SIMD").unwrap_or_default();
