@@ -5,7 +5,7 @@
 use candle_core::WithDType;
 
 use super::dense::{mm_accumulate, mm_new};
-use super::fresh::{par_copy, par_filled};
+use super::fresh::par_filled;
 use super::linear::column_sums_cpu;
 use super::CResult;
 
@@ -48,6 +48,33 @@ fn rows_plus_bias<T: WithDType>(residual: Option<&[T]>, bias: &[T], n: usize) ->
     })
 }
 
+/// `W + s A^T B^T` for `W: [k, m]`, `A: [r, k]` and `B: [m, r]`, row by row in parallel:
+/// each row of `W` plus `r` scaled rows of `B^T`. Through gemm this was a copy and a
+/// rank-`r` update whose 6-column tiles cut across the rows, 4 ms of the DistilGPT-2
+/// step at 40 GFLOP/s; here it is one read of `W` and one write.
+fn merged_weight<T: WithDType>(w: &[T], a: &[T], b: &[T], scale: T, (k, m, r): (usize, usize, usize)) -> Vec<T> {
+    let bt = transposed(b, m, r);
+    let width = m.max(1);
+    let rows_per_task = (16_384 / width).max(1);
+    par_filled(k * m, rows_per_task * width, |at, out| {
+        out.copy_from_slice(&w[at..at + out.len()]);
+        for (row, dst) in out.chunks_exact_mut(width).enumerate() {
+            let i = at / width + row;
+            for (j, bt_row) in bt.chunks_exact(width).enumerate() {
+                let coef = scale * a[j * k + i];
+                for (o, &v) in dst.iter_mut().zip(bt_row) {
+                    *o += coef * v;
+                }
+            }
+        }
+    })
+}
+
+/// `[cols, rows]` from a row-major `[rows, cols]` (the adapters' small matrices).
+fn transposed<T: WithDType>(v: &[T], rows: usize, cols: usize) -> Vec<T> {
+    (0..cols).flat_map(|c| (0..rows).map(move |i| v[i * cols + c])).collect()
+}
+
 /// `out = residual + x @ W + b (+ s x A^T B^T)`, and what backward needs of the adapter.
 pub(super) fn projection_forward<T: WithDType>(
     p: &ProjectionView<'_, T>,
@@ -61,9 +88,7 @@ pub(super) fn projection_forward<T: WithDType>(
     let mut acts = AdapterActs { merged: None, low_rank: None };
     match p.adapter {
         Some((a, b, scale)) if merge => {
-            // W + s A^T B^T: A^T is A read by columns, B^T is B read by columns.
-            let mut merged = par_copy(p.weight);
-            mm_accumulate(&mut merged, (k, m, r), (a, 1, k), (b, 1, r), scale)?;
+            let merged = merged_weight(p.weight, a, b, scale, (k, m, r));
             mm_accumulate(&mut out, (n, m, k), (x, k, 1), (&merged, m, 1), T::one())?;
             acts.merged = Some(merged);
         }
@@ -107,12 +132,14 @@ pub(super) fn projection_backward<T: WithDType>(
     if wants.weight.is_some() || acts.merged.is_some() {
         let dw = mm_new((k, m, n), (x, 1, k), (dy, m, 1), T::one())?;
         if let Some((a, b, scale)) = p.adapter.filter(|_| acts.merged.is_some()) {
-            // through the merge: dA = s (dW B)^T = s B^T dW^T, dB = s (A dW)^T = s dW^T A^T
+            // through the merge: dA = s (dW B)^T, dB = s (A dW)^T. The products are formed
+            // untransposed, so gemm reads dW along its rows; read down its columns, each
+            // took 4 ms of the DistilGPT-2 step.
             if let Some(i) = wants.a {
-                grads.push((i, mm_new((r, k, m), (b, 1, r), (&dw, 1, m), scale)?));
+                grads.push((i, transposed(&mm_new((k, r, m), (&dw, m, 1), (b, r, 1), scale)?, k, r)));
             }
             if let Some(i) = wants.b {
-                grads.push((i, mm_new((m, r, k), (&dw, 1, m), (a, 1, k), scale)?));
+                grads.push((i, transposed(&mm_new((r, m, k), (a, k, 1), (&dw, m, 1), scale)?, r, m)));
             }
         }
         if let Some(i) = wants.weight {
