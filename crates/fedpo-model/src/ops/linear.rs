@@ -14,18 +14,25 @@ use rayon::prelude::*;
 
 use super::{contiguous_slice, full_precision, CResult};
 
+/// Elements per parallel task of a pass over whole rows `width` wide: rows in chunks of
+/// about 64 KiB keep rayon's per-task overhead small for narrow rows.
+pub(super) fn row_chunk(width: usize) -> usize {
+    let width = width.max(1);
+    (16_384 / width).max(1) * width
+}
+
+/// Adds `bias` to every row of `rows` (whole rows of `bias.len()`, row-major), serially.
+pub(super) fn add_bias_to_each_row<T: WithDType>(rows: &mut [T], bias: &[T]) {
+    for row in rows.chunks_exact_mut(bias.len().max(1)) {
+        for (o, &b) in row.iter_mut().zip(bias) {
+            *o += b;
+        }
+    }
+}
+
 /// Adds `bias` (length `n`) to every row of `out` (`[m, n]`, row-major).
 pub(super) fn add_bias_rows<T: WithDType>(out: &mut [T], bias: &[T]) {
-    let n = bias.len().max(1);
-    // Rows in chunks of about 64 KiB keep rayon's per-task overhead small for narrow rows.
-    let rows_per_task = (16_384 / n).max(1);
-    out.par_chunks_mut(n * rows_per_task).for_each(|rows| {
-        for row in rows.chunks_exact_mut(n) {
-            for (o, &b) in row.iter_mut().zip(bias) {
-                *o += b;
-            }
-        }
-    });
+    out.par_chunks_mut(row_chunk(bias.len())).for_each(|rows| add_bias_to_each_row(rows, bias));
 }
 
 /// Sums of each column of `m` (`[rows, n]`, row-major): each task owns a band of columns

@@ -6,7 +6,7 @@ use candle_core::WithDType;
 
 use super::dense::{mm_accumulate, mm_new};
 use super::fresh::par_filled;
-use super::linear::column_sums_cpu;
+use super::linear::{add_bias_to_each_row, column_sums_cpu, row_chunk};
 use super::CResult;
 
 /// Parameter gradients by index into the block's flat tensor list.
@@ -33,18 +33,11 @@ pub(super) struct ProjectionView<'a, T> {
 /// The residual (or zeros) plus `bias` in every row of an `[n, bias.len()]` matrix: what
 /// the matmul then accumulates into, written in one parallel pass.
 fn rows_plus_bias<T: WithDType>(residual: Option<&[T]>, bias: &[T], n: usize) -> Vec<T> {
-    let width = bias.len().max(1);
-    // Rows in chunks of about 64 KiB keep rayon's per-task overhead small for narrow rows.
-    let rows_per_task = (16_384 / width).max(1);
-    par_filled(n * bias.len(), rows_per_task * width, |at, out| {
+    par_filled(n * bias.len(), row_chunk(bias.len()), |at, out| {
         if let Some(r) = residual {
             out.copy_from_slice(&r[at..at + out.len()]);
         }
-        for row in out.chunks_exact_mut(width) {
-            for (o, &b) in row.iter_mut().zip(bias) {
-                *o += b;
-            }
-        }
+        add_bias_to_each_row(out, bias);
     })
 }
 
@@ -55,8 +48,7 @@ fn rows_plus_bias<T: WithDType>(residual: Option<&[T]>, bias: &[T], n: usize) ->
 fn merged_weight<T: WithDType>(w: &[T], a: &[T], b: &[T], scale: T, (k, m, r): (usize, usize, usize)) -> Vec<T> {
     let bt = transposed(b, m, r);
     let width = m.max(1);
-    let rows_per_task = (16_384 / width).max(1);
-    par_filled(k * m, rows_per_task * width, |at, out| {
+    par_filled(k * m, row_chunk(m), |at, out| {
         out.copy_from_slice(&w[at..at + out.len()]);
         for (row, dst) in out.chunks_exact_mut(width).enumerate() {
             let i = at / width + row;
