@@ -6,6 +6,13 @@
 //! channel as [`LinkEvent`]s, so a device can train for minutes without the connection
 //! timing out: pings keep flowing from the background thread.
 //!
+//! Each broker session gets a fresh rumqttc client. rumqttc's own event loop would keep
+//! what it still holds from a lost session (stale write reports, requests that reached its
+//! channel after the drop) and mix it with the replay, and the outbox's first-in,
+//! first-out matching of packet ids to publishes would then credit an ack to the wrong
+//! publish and lose one. A new client starts with an empty channel, and publishes made
+//! before the new session is restored wait in the outbox.
+//!
 //! A receiver that consumes without pause (the aggregator) can bound that channel by
 //! bytes ([`LinkOptions::inbound_budget`]): when it is full the background thread stops
 //! reading, TCP pushes back, and the broker holds what a thousand uploading devices send
@@ -87,12 +94,25 @@ impl LinkOptions {
     }
 }
 
+/// The broker session publishes go to.
+struct Session {
+    client: Client,
+    /// Counts sessions, so that a restore outlived by its session gives up.
+    id: u64,
+    /// Whether the outbox was replayed into this session, so new publishes may follow it.
+    ready: bool,
+}
+
 struct Shared {
     outbox: Mutex<Outbox>,
     acked: Condvar,
     subscriptions: Mutex<Vec<String>>,
-    /// Serialises publishers so the outbox order is the client's request order.
-    publishing: Mutex<()>,
+    /// The current session. Its lock also serialises publishers, so the outbox order is
+    /// the client's request order.
+    session: Mutex<Session>,
+    /// The current session's client for subscribing and disconnecting, which must not
+    /// wait behind a publisher blocked on a full request queue.
+    control: Mutex<Client>,
     connected: AtomicBool,
     stop: AtomicBool,
     /// The latest connection error, for [`TransportError::ConnectTimeout`].
@@ -109,7 +129,6 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 /// A reconnecting QoS 1 MQTT connection.
 pub struct MqttLink {
-    client: Client,
     shared: Arc<Shared>,
     events: Receiver<LinkEvent>,
     broker: String,
@@ -164,15 +183,15 @@ fn mqtt_options(url: &BrokerUrl, opts: &LinkOptions) -> Result<MqttOptions> {
 impl MqttLink {
     /// Connects and waits for the first ConnAck (up to `opts.connect_wait`).
     pub fn connect(url: &BrokerUrl, opts: &LinkOptions) -> Result<Self> {
-        let (client, mut connection) = Client::new(mqtt_options(url, opts)?, 16);
-        let mut network = connection.eventloop.network_options();
-        network.set_connection_timeout(opts.connection_timeout.as_secs().max(1));
-        connection.eventloop.set_network_options(network);
+        let options = mqtt_options(url, opts)?;
+        let connection_timeout = opts.connection_timeout.as_secs().max(1);
+        let (client, connection) = open(&options, connection_timeout);
         let shared = Arc::new(Shared {
             outbox: Mutex::new(Outbox::default()),
             acked: Condvar::new(),
             subscriptions: Mutex::new(Vec::new()),
-            publishing: Mutex::new(()),
+            session: Mutex::new(Session { client: client.clone(), id: 0, ready: true }),
+            control: Mutex::new(client),
             connected: AtomicBool::new(false),
             stop: AtomicBool::new(false),
             last_error: Mutex::new("no answer".into()),
@@ -182,15 +201,20 @@ impl MqttLink {
         let (tx, events) = mpsc::channel();
         let (first_tx, first_rx) = mpsc::channel();
         let thread = {
-            let (client, shared) = (client.clone(), shared.clone());
-            let limits = DriveLimits { max_backoff: opts.max_backoff, inbound_budget: opts.inbound_budget };
+            let shared = shared.clone();
+            let limits = DriveLimits {
+                options,
+                connection_timeout,
+                max_backoff: opts.max_backoff,
+                inbound_budget: opts.inbound_budget,
+            };
             let name = format!("mqtt-{}", opts.client_id);
             std::thread::Builder::new()
                 .name(name)
-                .spawn(move || drive(connection, client, shared, tx, first_tx, limits))
+                .spawn(move || drive(connection, shared, tx, first_tx, limits))
                 .map_err(|e| TransportError::Closed { broker: format!("{url}: {e}") })?
         };
-        let link = Self { client, shared, events, broker: url.to_string(), thread: Some(thread) };
+        let link = Self { shared, events, broker: url.to_string(), thread: Some(thread) };
         match first_rx.recv_timeout(opts.connect_wait) {
             Ok(()) => Ok(link),
             Err(_) => Err(TransportError::ConnectTimeout {
@@ -203,8 +227,14 @@ impl MqttLink {
 
     /// Subscribes at QoS 1 now and after every reconnect.
     pub fn subscribe(&self, filter: &str) -> Result<()> {
+        // Listed before it is sent: a session that replaces this client after the send
+        // restores it from the list.
         lock(&self.shared.subscriptions).push(filter.to_string());
-        self.client.subscribe(filter, QoS::AtLeastOnce).map_err(|_| self.closed())
+        let client = lock(&self.shared.control).clone();
+        if client.subscribe(filter, QoS::AtLeastOnce).is_err() && self.shared.stop.load(Ordering::SeqCst) {
+            return Err(self.closed());
+        }
+        Ok(())
     }
 
     /// Publishes at QoS 1; the payload is kept until the broker acknowledges it. Blocks
@@ -220,12 +250,25 @@ impl MqttLink {
         if self.shared.stop.load(Ordering::SeqCst) {
             return Err(self.closed());
         }
-        let _order = lock(&self.shared.publishing);
+        let session = lock(&self.shared.session);
+        if !session.ready {
+            // The outbox is still being replayed into a new session (or none is up): this
+            // publish goes after it, in order.
+            lock(&self.shared.outbox).parked(topic, &payload);
+            return Ok(());
+        }
         lock(&self.shared.outbox).queued(topic, &payload);
         // Wake a background thread paused by the inbound budget: this publish needs the
         // event loop.
         self.shared.taken.notify_all();
-        self.client.publish(topic, QoS::AtLeastOnce, false, payload).map_err(|_| self.closed())
+        // A refused request means its session just ended; the outbox holds the publish for
+        // the next one.
+        if session.client.publish(topic, QoS::AtLeastOnce, false, payload).is_err()
+            && self.shared.stop.load(Ordering::SeqCst)
+        {
+            return Err(self.closed());
+        }
+        Ok(())
     }
 
     /// The next event, waiting up to `timeout`; `Ok(None)` on timeout.
@@ -287,7 +330,7 @@ impl MqttLink {
 
     fn shutdown(&mut self) {
         self.shared.stop.store(true, Ordering::SeqCst);
-        let _ = self.client.try_disconnect();
+        let _ = lock(&self.shared.control).try_disconnect();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -305,6 +348,9 @@ impl Drop for MqttLink {
 }
 
 struct DriveLimits {
+    /// For the fresh client each new session gets.
+    options: MqttOptions,
+    connection_timeout: u64,
     max_backoff: Duration,
     inbound_budget: Option<usize>,
 }
@@ -328,20 +374,42 @@ fn admit(shared: &Shared, len: usize, budget: Option<usize>) {
     *inbound += len;
 }
 
+/// A client and its event loop, with fedpo's write timeout.
+fn open(options: &MqttOptions, connection_timeout: u64) -> (Client, Connection) {
+    let (client, mut connection) = Client::new(options.clone(), 16);
+    let mut network = connection.eventloop.network_options();
+    network.set_connection_timeout(connection_timeout);
+    connection.eventloop.set_network_options(network);
+    (client, connection)
+}
+
+/// Ends a session that had connected: drops its event loop (a publisher blocked on its
+/// full queue returns at once), parks everything the outbox gave it, and installs a fresh
+/// client that nothing is published to until the outbox is replayed.
+fn next_session(old: Connection, shared: &Shared, limits: &DriveLimits) -> Connection {
+    drop(old);
+    let (client, connection) = open(&limits.options, limits.connection_timeout);
+    let mut session = lock(&shared.session);
+    lock(&shared.outbox).session_ended();
+    *lock(&shared.control) = client.clone();
+    session.client = client;
+    session.id += 1;
+    session.ready = false;
+    connection
+}
+
 /// The background thread: rumqttc's event loop plus fedpo's reconnect policy.
 fn drive(
     mut connection: Connection,
-    client: Client,
     shared: Arc<Shared>,
     tx: Sender<LinkEvent>,
     first: Sender<()>,
     limits: DriveLimits,
 ) {
-    let DriveLimits { max_backoff, inbound_budget } = limits;
     let mut backoff = Duration::from_millis(100);
     let mut first = Some(first);
     let mut connect_failures = 0u32;
-    for notification in connection.iter() {
+    while let Ok(notification) = connection.recv() {
         if shared.stop.load(Ordering::SeqCst) {
             break;
         }
@@ -350,16 +418,14 @@ fn drive(
                 shared.connected.store(true, Ordering::SeqCst);
                 backoff = Duration::from_millis(100);
                 connect_failures = 0;
-                // After the first ConnAck nothing can have been lost: whatever the outbox
-                // holds was just handed to the client, and replaying it would send it twice.
-                restore(client.clone(), shared.clone(), first.is_none());
+                restore(shared.clone(), lock(&shared.session).id);
                 if let Some(f) = first.take() {
                     let _ = f.send(());
                 }
                 let _ = tx.send(LinkEvent::Connected);
             }
             Ok(Event::Incoming(Packet::Publish(p))) => {
-                admit(&shared, p.payload.len(), inbound_budget);
+                admit(&shared, p.payload.len(), limits.inbound_budget);
                 let _ = tx.send(LinkEvent::Message(Delivery { topic: p.topic, payload: p.payload }));
             }
             Ok(Event::Incoming(Packet::PubAck(ack))) => {
@@ -376,7 +442,10 @@ fn drive(
                 if shared.connected.swap(false, Ordering::SeqCst) {
                     tracing::warn!(error = %reason, "MQTT connection lost; reconnecting");
                     let _ = tx.send(LinkEvent::Disconnected(reason.clone()));
+                    connection = next_session(connection, &shared, &limits);
                 } else {
+                    // A failed connect loses nothing: the client's queue waits for the
+                    // next attempt.
                     connect_failures += 1;
                     if connect_failures == 1 || connect_failures.is_power_of_two() {
                         tracing::debug!(error = %reason, attempt = connect_failures, "MQTT connect failed");
@@ -384,38 +453,51 @@ fn drive(
                 }
                 *lock(&shared.last_error) = reason;
                 std::thread::sleep(backoff);
-                backoff = (backoff * 2).min(max_backoff);
+                backoff = (backoff * 2).min(limits.max_backoff);
             }
         }
     }
     shared.connected.store(false, Ordering::SeqCst);
+    // Publishers and subscribers now get `Closed` instead of queueing for nobody.
+    shared.stop.store(true, Ordering::SeqCst);
 }
 
-/// After a ConnAck: resubscribe, then republish everything unacknowledged. Runs on its own
-/// thread because both block on rumqttc's request queue, which only the event-loop thread
-/// drains.
-fn restore(client: Client, shared: Arc<Shared>, replay_outbox: bool) {
+/// After a ConnAck: resubscribe, then republish what the outbox parked, then let new
+/// publishes through. Runs on its own thread because both block on rumqttc's request
+/// queue, which only the event-loop thread drains.
+fn restore(shared: Arc<Shared>, session_id: u64) {
     let spawned = std::thread::Builder::new().name("mqtt-restore".into()).spawn(move || {
+        let client = {
+            let session = lock(&shared.session);
+            if session.id != session_id {
+                return; // that session is gone; the next one restores
+            }
+            session.client.clone()
+        };
         let filters = lock(&shared.subscriptions).clone();
         for f in filters {
             if client.subscribe(f, QoS::AtLeastOnce).is_err() {
                 return;
             }
         }
-        if !replay_outbox {
-            return;
+        let mut session = lock(&shared.session);
+        if session.id != session_id {
+            return; // that session is gone; the next one restores
         }
-        let _order = lock(&shared.publishing);
-        let replay = lock(&shared.outbox).take_for_replay();
+        let replay = lock(&shared.outbox).take_parked();
         if !replay.is_empty() {
             tracing::info!(publishes = replay.len(), "republishing unacknowledged messages after reconnect");
         }
-        for p in replay {
-            lock(&shared.outbox).queued(&p.topic, &p.payload);
-            if client.publish(p.topic, QoS::AtLeastOnce, false, p.payload).is_err() {
+        let mut replay = replay.into_iter();
+        while let Some(p) = replay.next() {
+            let (topic, payload) = (p.topic.clone(), p.payload.clone());
+            lock(&shared.outbox).requeue(p);
+            if session.client.publish(topic, QoS::AtLeastOnce, false, payload).is_err() {
+                lock(&shared.outbox).repark(replay);
                 return;
             }
         }
+        session.ready = true;
     });
     if let Err(e) = spawned {
         tracing::error!(error = %e, "cannot restore MQTT subscriptions");
