@@ -386,7 +386,8 @@ fn open(options: &MqttOptions, connection_timeout: u64) -> (Client, Connection) 
 /// Ends a session that had connected: drops its event loop (a publisher blocked on its
 /// full queue returns at once), parks everything the outbox gave it, and installs a fresh
 /// client that nothing is published to until the outbox is replayed.
-fn next_session(old: Connection, shared: &Shared, limits: &DriveLimits) -> Connection {
+/// Returns the new event loop and the session's id.
+fn next_session(old: Connection, shared: &Shared, limits: &DriveLimits) -> (Connection, u64) {
     drop(old);
     let (client, connection) = open(&limits.options, limits.connection_timeout);
     let mut session = lock(&shared.session);
@@ -395,7 +396,7 @@ fn next_session(old: Connection, shared: &Shared, limits: &DriveLimits) -> Conne
     session.client = client;
     session.id += 1;
     session.ready = false;
-    connection
+    (connection, session.id)
 }
 
 /// The background thread: rumqttc's event loop plus fedpo's reconnect policy.
@@ -409,6 +410,9 @@ fn drive(
     let mut backoff = Duration::from_millis(100);
     let mut first = Some(first);
     let mut connect_failures = 0u32;
+    // Kept here rather than read under the session lock, which a publisher blocked on
+    // this loop's full queue may hold.
+    let mut session_id = 0u64;
     while let Ok(notification) = connection.recv() {
         if shared.stop.load(Ordering::SeqCst) {
             break;
@@ -418,7 +422,7 @@ fn drive(
                 shared.connected.store(true, Ordering::SeqCst);
                 backoff = Duration::from_millis(100);
                 connect_failures = 0;
-                restore(shared.clone(), lock(&shared.session).id);
+                restore(shared.clone(), session_id);
                 if let Some(f) = first.take() {
                     let _ = f.send(());
                 }
@@ -442,7 +446,7 @@ fn drive(
                 if shared.connected.swap(false, Ordering::SeqCst) {
                     tracing::warn!(error = %reason, "MQTT connection lost; reconnecting");
                     let _ = tx.send(LinkEvent::Disconnected(reason.clone()));
-                    connection = next_session(connection, &shared, &limits);
+                    (connection, session_id) = next_session(connection, &shared, &limits);
                 } else {
                     // A failed connect loses nothing: the client's queue waits for the
                     // next attempt.
@@ -467,13 +471,9 @@ fn drive(
 /// queue, which only the event-loop thread drains.
 fn restore(shared: Arc<Shared>, session_id: u64) {
     let spawned = std::thread::Builder::new().name("mqtt-restore".into()).spawn(move || {
-        let client = {
-            let session = lock(&shared.session);
-            if session.id != session_id {
-                return; // that session is gone; the next one restores
-            }
-            session.client.clone()
-        };
+        // The control handle, not the session lock, which a blocked publisher may hold.
+        // Should the session already be gone, subscribing on its successor is harmless.
+        let client = lock(&shared.control).clone();
         let filters = lock(&shared.subscriptions).clone();
         for f in filters {
             if client.subscribe(f, QoS::AtLeastOnce).is_err() {
