@@ -133,7 +133,15 @@ pub struct MqttLink {
     events: Receiver<LinkEvent>,
     broker: String,
     thread: Option<JoinHandle<()>>,
+    /// Disconnects when the event-loop thread returns.
+    exited: Receiver<()>,
 }
+
+/// How long closing a link waits for its event loop to wind down. A connect attempt in
+/// progress does not end early: against a broker that accepts TCP but never answers it
+/// runs for the whole `connection_timeout` (60 s by default). Past this grace the thread
+/// is left to exit on its own, which it does at its next event, `stop` being set.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
 
 fn read_file(what: &'static str, path: &std::path::Path) -> Result<Vec<u8>> {
     std::fs::read(path).map_err(|source| TransportError::TlsFile { what, path: path.display().to_string(), source })
@@ -200,6 +208,7 @@ impl MqttLink {
         });
         let (tx, events) = mpsc::channel();
         let (first_tx, first_rx) = mpsc::channel();
+        let (exited_tx, exited) = mpsc::channel();
         let thread = {
             let shared = shared.clone();
             let limits = DriveLimits {
@@ -211,10 +220,13 @@ impl MqttLink {
             let name = format!("mqtt-{}", opts.client_id);
             std::thread::Builder::new()
                 .name(name)
-                .spawn(move || drive(connection, shared, tx, first_tx, limits))
+                .spawn(move || {
+                    drive(connection, shared, tx, first_tx, limits);
+                    drop(exited_tx);
+                })
                 .map_err(|e| TransportError::Closed { broker: format!("{url}: {e}") })?
         };
-        let link = Self { shared, events, broker: url.to_string(), thread: Some(thread) };
+        let link = Self { shared, events, broker: url.to_string(), thread: Some(thread), exited };
         match first_rx.recv_timeout(opts.connect_wait) {
             Ok(()) => Ok(link),
             Err(_) => Err(TransportError::ConnectTimeout {
@@ -332,7 +344,14 @@ impl MqttLink {
         self.shared.stop.store(true, Ordering::SeqCst);
         let _ = lock(&self.shared.control).try_disconnect();
         if let Some(t) = self.thread.take() {
-            let _ = t.join();
+            match self.exited.recv_timeout(SHUTDOWN_GRACE) {
+                Err(RecvTimeoutError::Timeout) => {
+                    tracing::debug!(broker = %self.broker, "MQTT event loop busy in a connect attempt; not waiting for it");
+                }
+                _ => {
+                    let _ = t.join();
+                }
+            }
         }
     }
 
@@ -456,7 +475,7 @@ fn drive(
                     }
                 }
                 *lock(&shared.last_error) = reason;
-                std::thread::sleep(backoff);
+                sleep_unless_stopped(&shared, backoff);
                 backoff = (backoff * 2).min(limits.max_backoff);
             }
         }
@@ -464,6 +483,18 @@ fn drive(
     shared.connected.store(false, Ordering::SeqCst);
     // Publishers and subscribers now get `Closed` instead of queueing for nobody.
     shared.stop.store(true, Ordering::SeqCst);
+}
+
+/// Sleeps for `pause`, or less once the link is closing.
+fn sleep_unless_stopped(shared: &Shared, pause: Duration) {
+    let end = Instant::now() + pause;
+    while !shared.stop.load(Ordering::SeqCst) {
+        let left = end.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            break;
+        }
+        std::thread::sleep(left.min(Duration::from_millis(50)));
+    }
 }
 
 /// After a ConnAck: resubscribe, then republish what the outbox parked, then let new

@@ -69,6 +69,49 @@ fn connecting_to_a_closed_port_fails_in_time_naming_the_broker() {
     assert!(err.contains(&format!("127.0.0.1:{port}")) && err.contains("1 s"), "{err}");
 }
 
+#[test]
+fn a_broker_that_accepts_tcp_but_never_answers_fails_after_connect_wait_not_the_write_timeout() {
+    // The kernel completes the TCP handshake into the listener's backlog; nothing ever
+    // reads the CONNECT, so rumqttc's connect attempt runs until `connection_timeout`.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = silent.local_addr().unwrap().port();
+    let url = fedpo_transport::BrokerUrl::parse(&format!("mqtt://127.0.0.1:{port}")).unwrap();
+    let mut opts = LinkOptions::new("patient");
+    opts.connect_wait = Duration::from_secs(1);
+    opts.connection_timeout = Duration::from_secs(40);
+    let started = Instant::now();
+    let err = MqttLink::connect(&url, &opts).err().expect("the broker never sends a ConnAck").to_string();
+    let waited = started.elapsed();
+    assert!(err.contains(&format!("127.0.0.1:{port}")), "{err}");
+    assert!(waited < Duration::from_secs(10), "connect returned after {waited:?}, not about connect_wait (1 s)");
+}
+
+#[test]
+fn closing_a_link_whose_broker_went_away_returns_without_waiting_out_the_backoff() {
+    // A one-shot broker: accepts one CONNECT, answers it, then closes the socket and the
+    // port, so every reconnect is refused and the backoff doubles.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let one_shot = std::thread::spawn(move || {
+        let (mut sock, _) = listener.accept().unwrap();
+        let mut connect = [0u8; 256];
+        let _ = sock.read(&mut connect).unwrap();
+        sock.write_all(&[0x20, 2, 0, 0]).unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+    });
+    let url = fedpo_transport::BrokerUrl::parse(&format!("mqtt://127.0.0.1:{port}")).unwrap();
+    let mut opts = LinkOptions::new("left-behind");
+    opts.max_backoff = Duration::from_secs(30);
+    let link = MqttLink::connect(&url, &opts).unwrap();
+    one_shot.join().unwrap();
+    // Reconnects fail at once; after 4 s the loop sleeps between attempts for over 3 s.
+    std::thread::sleep(Duration::from_secs(4));
+    let started = Instant::now();
+    link.close(Duration::ZERO);
+    let waited = started.elapsed();
+    assert!(waited < Duration::from_secs(1), "close took {waited:?}, waiting out the reconnect backoff");
+}
+
 /// An MQTT 3.1.1 CONNECT with a QoS 1 will and a clean session.
 fn connect_packet_with_will(client: &str, will_topic: &str, will: &[u8]) -> Vec<u8> {
     fn string(out: &mut Vec<u8>, s: &[u8]) {
