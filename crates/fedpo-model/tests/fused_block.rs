@@ -3,6 +3,8 @@
 //! gradient, for each partition and with adapters on every kind of projection.
 
 use candle_core::{DType, Device, Tensor};
+mod common;
+
 use fedpo_model::{Gpt2Config, LoraConfig, ParamKind, Partition, PartitionPreset, Policy, PolicySpec};
 
 fn spec(preset: PartitionPreset, targets: Option<&[&str]>, freeze_embeddings: bool) -> PolicySpec {
@@ -19,10 +21,9 @@ fn spec(preset: PartitionPreset, targets: Option<&[&str]>, freeze_embeddings: bo
 /// gradient for A).
 fn policy(spec: PolicySpec, dtype: DType) -> Policy {
     let policy = Policy::build(spec, None, None, 5, dtype, &Device::Cpu).unwrap();
-    for p in policy.params.with_kind(ParamKind::Adapter) {
+    for (seed, p) in (1..).zip(policy.params.with_kind(ParamKind::Adapter)) {
         if let Some(v) = p.var() {
-            let noise = (Tensor::randn(0f64, 0.3, v.shape(), &Device::Cpu).unwrap()).to_dtype(dtype).unwrap();
-            v.set(&noise).unwrap();
+            v.set(&common::seeded_normal(v.shape(), 0.3, seed, dtype)).unwrap();
         }
     }
     policy

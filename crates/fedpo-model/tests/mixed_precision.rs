@@ -2,6 +2,8 @@
 //! the f32 model's, with every gradient landing on the f32 parameters.
 
 use candle_core::{DType, Device, Tensor};
+mod common;
+
 use fedpo_model::{Gpt2Config, LoraConfig, Partition, PartitionPreset, Policy, PolicySpec};
 
 fn tiny_policy() -> Policy {
@@ -14,8 +16,8 @@ fn tiny_policy() -> Policy {
     };
     let policy = Policy::random(spec, 3, &Device::Cpu).unwrap();
     // A non-zero adapter B, so that the adapter path carries signal and gradient to A.
-    for p in policy.params.iter().filter(|p| p.name.ends_with("lora_B.weight")) {
-        let noise = Tensor::randn(0f32, 0.02, p.tensor().shape(), &Device::Cpu).unwrap();
+    for (seed, p) in (1..).zip(policy.params.iter().filter(|p| p.name.ends_with("lora_B.weight"))) {
+        let noise = common::seeded_normal(p.tensor().shape(), 0.02, seed, DType::F32);
         p.var().unwrap().set(&noise).unwrap();
     }
     policy
