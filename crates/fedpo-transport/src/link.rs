@@ -434,6 +434,9 @@ fn drive(
     let mut session_id = 0u64;
     while let Ok(notification) = connection.recv() {
         if shared.stop.load(Ordering::SeqCst) {
+            if matches!(notification, Ok(Event::Incoming(Packet::ConnAck(_)))) {
+                say_goodbye(&mut connection, &shared);
+            }
             break;
         }
         match notification {
@@ -483,6 +486,19 @@ fn drive(
     shared.connected.store(false, Ordering::SeqCst);
     // Publishers and subscribers now get `Closed` instead of queueing for nobody.
     shared.stop.store(true, Ordering::SeqCst);
+}
+
+/// A session that came up after the link was closed (a connect attempt the close did not
+/// wait for): sends it a DISCONNECT, so that the broker ends it cleanly rather than
+/// publishing the last will of a client that may by now be connected again elsewhere.
+fn say_goodbye(connection: &mut Connection, shared: &Shared) {
+    let _ = lock(&shared.control).try_disconnect();
+    for _ in 0..8 {
+        match connection.recv_timeout(Duration::from_millis(500)) {
+            Ok(Ok(Event::Outgoing(Outgoing::Disconnect))) | Ok(Err(_)) | Err(_) => return,
+            Ok(Ok(_)) => {}
+        }
+    }
 }
 
 /// Sleeps for `pause`, or less once the link is closing.

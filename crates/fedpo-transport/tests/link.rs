@@ -87,6 +87,31 @@ fn a_broker_that_accepts_tcp_but_never_answers_fails_after_connect_wait_not_the_
 }
 
 #[test]
+fn a_session_that_comes_up_after_the_link_gave_up_is_ended_with_a_disconnect_not_the_will() {
+    // A broker that answers the CONNECT only after the link has given up and stopped
+    // waiting for its thread (connect_wait 1 s, then the 2 s shutdown grace).
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let slow = std::thread::spawn(move || {
+        let (mut sock, _) = listener.accept().unwrap();
+        let mut connect = [0u8; 256];
+        let _ = sock.read(&mut connect).unwrap();
+        std::thread::sleep(Duration::from_millis(4500));
+        sock.write_all(&[0x20, 2, 0, 0]).unwrap();
+        sock.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut next = [0u8; 2];
+        sock.read_exact(&mut next).map(|()| next)
+    });
+    let url = fedpo_transport::BrokerUrl::parse(&format!("mqtt://127.0.0.1:{port}")).unwrap();
+    let mut opts = LinkOptions::new("late");
+    opts.connect_wait = Duration::from_secs(1);
+    opts.last_will = Some(("fedpo/t/up/late".into(), b"offline".to_vec()));
+    assert!(MqttLink::connect(&url, &opts).is_err(), "no ConnAck within connect_wait");
+    let after_connack = slow.join().unwrap().expect("a packet after the ConnAck, not a dropped socket");
+    assert_eq!(after_connack, [0xE0, 0x00], "a DISCONNECT, so the broker drops the will");
+}
+
+#[test]
 fn closing_a_link_whose_broker_went_away_returns_without_waiting_out_the_backoff() {
     // A one-shot broker: accepts one CONNECT, answers it, then closes the socket and the
     // port, so every reconnect is refused and the backoff doubles.
