@@ -15,6 +15,22 @@ fn next_message(link: &MqttLink, within: Duration) -> Option<(String, Vec<u8>)> 
     None
 }
 
+/// A scripted broker on a free loopback port: it accepts one client, reads its CONNECT,
+/// then hands the socket to `after_connect`, whose result the join handle returns.
+fn one_client_broker<T: Send + 'static>(
+    after_connect: impl FnOnce(std::net::TcpStream) -> T + Send + 'static,
+) -> (u16, std::thread::JoinHandle<T>) {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let broker = std::thread::spawn(move || {
+        let (mut sock, _) = listener.accept().unwrap();
+        let mut connect = [0u8; 256];
+        let _ = sock.read(&mut connect).unwrap();
+        after_connect(sock)
+    });
+    (port, broker)
+}
+
 #[test]
 fn one_mib_chunks_arrive_whole_and_in_order_through_the_embedded_broker() {
     let broker = EmbeddedBroker::start_on_free_port().unwrap();
@@ -90,12 +106,7 @@ fn a_broker_that_accepts_tcp_but_never_answers_fails_after_connect_wait_not_the_
 fn a_session_that_comes_up_after_the_link_gave_up_is_ended_with_a_disconnect_not_the_will() {
     // A broker that answers the CONNECT only after the link has given up and stopped
     // waiting for its thread (connect_wait 1 s, then the 2 s shutdown grace).
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let slow = std::thread::spawn(move || {
-        let (mut sock, _) = listener.accept().unwrap();
-        let mut connect = [0u8; 256];
-        let _ = sock.read(&mut connect).unwrap();
+    let (port, slow) = one_client_broker(|mut sock| {
         std::thread::sleep(Duration::from_millis(4500));
         sock.write_all(&[0x20, 2, 0, 0]).unwrap();
         sock.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
@@ -115,12 +126,7 @@ fn a_session_that_comes_up_after_the_link_gave_up_is_ended_with_a_disconnect_not
 fn closing_a_link_whose_broker_went_away_returns_without_waiting_out_the_backoff() {
     // A one-shot broker: accepts one CONNECT, answers it, then closes the socket and the
     // port, so every reconnect is refused and the backoff doubles.
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let one_shot = std::thread::spawn(move || {
-        let (mut sock, _) = listener.accept().unwrap();
-        let mut connect = [0u8; 256];
-        let _ = sock.read(&mut connect).unwrap();
+    let (port, one_shot) = one_client_broker(|mut sock| {
         sock.write_all(&[0x20, 2, 0, 0]).unwrap();
         std::thread::sleep(Duration::from_millis(200));
     });
