@@ -16,8 +16,9 @@
 //!   target tokens' log-probabilities), adding into one gradient buffer.
 //!
 //! f32 kernels run on [`fast_math`]'s vectorised `exp`, their inner loops compiled for
-//! AVX-512, AVX2 or the baseline and picked at run time ([`multiversion`]); f64 ones keep
-//! libm and are the reference. Matmuls whose operands are views go to gemm with strides
+//! AVX-512, AVX2 or the baseline and picked at run time ([`multiversion`]); the head's
+//! rows have kernels of their own for each ([`row_exps`]). f64 ones keep libm and are the
+//! reference. Matmuls whose operands are views go to gemm with strides
 //! ([`dense`]). Each kernel falls back to composed candle ops off the CPU and in half
 //! precision.
 
@@ -52,6 +53,7 @@ mod linear;
 mod matmul_frozen;
 pub mod multiversion;
 mod projection;
+mod row_exps;
 mod softmax;
 mod tied_embedding;
 mod token_logprobs;

@@ -8,7 +8,8 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Tensor, WithDType};
 use rayon::prelude::*;
 
-use super::fast_math::{exp_shifted_in_place, max_f32, scaled_softmax_f32, sum_exp_shifted};
+use super::fast_math::{max_f32, scaled_softmax_f32, sum_exp_shifted};
+use super::row_exps::{exps_in_place_f32, non_finite_exps};
 use super::{contiguous_slice, full_precision, log_softmax_last_dim, CResult};
 
 /// The per-row arithmetic, fast for f32 and exact-as-libm for f64.
@@ -21,15 +22,6 @@ pub(super) trait RowMath: WithDType {
     /// `(lse, sum)`: the row's log-sum-exp and the sum of what it now holds, so that
     /// `row / sum` is its softmax.
     fn exps_in_place(row: &mut [Self]) -> (f64, f64);
-}
-
-/// [`RowMath::exps_in_place`] for a row whose maximum is not finite (NaN, `+inf`, or all
-/// `-inf`): the plain formulas give the right non-finite log-sum-exp, and the row becomes
-/// `exp(row - lse)` (NaN where it has no meaning) with a sum of one.
-fn non_finite_exps<T: WithDType>(row: &mut [T]) -> (f64, f64) {
-    let lse = row.iter().map(|v| v.to_f64().exp()).sum::<f64>().ln();
-    row.iter_mut().for_each(|v| *v = T::from_f64((v.to_f64() - lse).exp()));
-    (lse, 1.0)
 }
 
 impl RowMath for f32 {
@@ -49,12 +41,7 @@ impl RowMath for f32 {
     }
 
     fn exps_in_place(row: &mut [f32]) -> (f64, f64) {
-        let max = max_f32(row);
-        if !max.is_finite() {
-            return non_finite_exps(row);
-        }
-        let sum = exp_shifted_in_place(row, max);
-        (max as f64 + sum.ln(), sum)
+        exps_in_place_f32(row)
     }
 }
 
