@@ -21,6 +21,16 @@ fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
+/// `fedpo-device train-local <args> --steps 1 --out <a fresh folder>`, which must fail;
+/// returns what it printed to stderr.
+fn train_local_error(args: &[&str]) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().to_str().unwrap();
+    let o = fedpo_device(&[&["train-local"], args, &["--steps", "1", "--out", out]].concat());
+    assert!(!o.status.success(), "train-local {args:?} should have failed");
+    stderr(&o)
+}
+
 #[test]
 fn train_local_on_synthetic_data_learns_the_persona_and_writes_its_outputs() {
     let out = tempfile::tempdir().unwrap();
@@ -129,53 +139,20 @@ fn bad_data_line_fails_with_file_and_line() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("bad.jsonl");
     std::fs::write(&data, "{\"prompt\": \"a\", \"chosen\": \"b\", \"rejected\": \"c\"}\n{\"prompt\": 1}\n").unwrap();
-    let o = fedpo_device(&[
-        "train-local",
-        "--data",
-        data.to_str().unwrap(),
-        "--steps",
-        "1",
-        "--out",
-        dir.path().join("o").to_str().unwrap(),
-    ]);
-    assert!(!o.status.success());
-    let err = stderr(&o);
+    let err = train_local_error(&["--data", data.to_str().unwrap()]);
     assert!(err.contains(&format!("{}:2", data.display())), "{err}");
 }
 
 #[test]
 fn unknown_lora_target_is_refused_with_the_valid_ones() {
-    let dir = tempfile::tempdir().unwrap();
-    let o = fedpo_device(&[
-        "train-local",
-        "--synthetic",
-        "--targets",
-        "q_proj",
-        "--steps",
-        "1",
-        "--out",
-        dir.path().to_str().unwrap(),
-    ]);
-    assert!(!o.status.success());
-    let err = stderr(&o);
+    let err = train_local_error(&["--synthetic", "--targets", "q_proj"]);
     assert!(err.contains("q_proj") && err.contains("attn.c_attn"), "{err}");
 }
 
 #[test]
 fn missing_backend_names_the_feature_to_build_with() {
-    let dir = tempfile::tempdir().unwrap();
-    let o = fedpo_device(&[
-        "train-local",
-        "--synthetic",
-        "--device",
-        "cuda",
-        "--steps",
-        "1",
-        "--out",
-        dir.path().to_str().unwrap(),
-    ]);
-    assert!(!o.status.success());
-    assert!(stderr(&o).contains("--features cuda"), "{}", stderr(&o));
+    let err = train_local_error(&["--synthetic", "--device", "cuda"]);
+    assert!(err.contains("--features cuda"), "{err}");
 }
 
 /// A bench small enough for a test: the tiny model, one pair of 8 + 8 tokens.
@@ -249,29 +226,12 @@ fn bench_with_gemm_reports_the_matmul_speed_and_the_compute_bound_fraction() {
 
 #[test]
 fn adapter_with_a_partition_that_has_none_is_refused() {
-    let dir = tempfile::tempdir().unwrap();
-    let o = fedpo_device(&[
-        "train-local",
-        "--synthetic",
-        "--partition",
-        "feddpo",
-        "--adapter",
-        "a.safetensors",
-        "--steps",
-        "1",
-        "--out",
-        dir.path().to_str().unwrap(),
-    ]);
-    assert!(!o.status.success());
-    assert!(stderr(&o).contains("has no adapter"), "{}", stderr(&o));
+    let err = train_local_error(&["--synthetic", "--partition", "feddpo", "--adapter", "a.safetensors"]);
+    assert!(err.contains("has no adapter"), "{err}");
 }
 
 #[test]
 fn unknown_compute_dtype_is_refused_with_the_accepted_ones() {
-    let dir = tempfile::tempdir().unwrap();
-    let o =
-        fedpo_device(&["train-local", "--synthetic", "--compute-dtype", "f8", "--out", dir.path().to_str().unwrap()]);
-    assert!(!o.status.success());
-    let err = stderr(&o);
+    let err = train_local_error(&["--synthetic", "--compute-dtype", "f8"]);
     assert!(err.contains("`f8` is not a compute dtype; expected f32, bf16 or f16"), "{err}");
 }
