@@ -7,17 +7,17 @@
 
 use super::multiversion::multiversion;
 
-const LOG2_E: f32 = std::f32::consts::LOG2_E;
+pub(super) const LOG2_E: f32 = std::f32::consts::LOG2_E;
 // ln 2 split in a part exact in f32 and the rest (Cody-Waite), so `x - n ln 2` loses nothing.
-const LN2_HI: f32 = 0.693_145_75;
-const LN2_LO: f32 = 1.428_606_8e-6;
+pub(super) const LN2_HI: f32 = 0.693_145_75;
+pub(super) const LN2_LO: f32 = 1.428_606_8e-6;
 /// Adding then subtracting 1.5 * 2^23 rounds an f32 of magnitude below 2^22 to the nearest
 /// integer without a (non-vectorisable on baseline x86-64) `round` call.
 const ROUND_MAGIC: f32 = 12_582_912.0;
 /// Inputs are clamped to this range first. Above it `exp` overflows f32; below it the
 /// result would be subnormal, which is flushed to zero.
-const EXP_MAX: f32 = 88.722_84;
-const EXP_MIN: f32 = -87.336_55;
+pub(super) const EXP_MAX: f32 = 88.722_84;
+pub(super) const EXP_MIN: f32 = -87.336_55;
 
 /// `e^x` in f32: relative error below 3e-7 up to x = 88.3, `inf` from about 88.38 (where
 /// the exponent field overflows; f32's own limit is 88.72), `0` below -87.33, NaN kept.

@@ -166,12 +166,8 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::{exp_until_scalar, lane_total, SUM_BLOCK};
+    use crate::ops::fast_math::{EXP_MAX, EXP_MIN, LN2_HI, LN2_LO, LOG2_E};
 
-    const LOG2_E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_145_75;
-    const LN2_LO: f32 = 1.428_606_8e-6;
-    const EXP_MIN: f32 = -87.336_55;
-    const EXP_MAX: f32 = 88.722_84;
     /// Taylor coefficients of `e^r`, highest degree first.
     const TAYLOR: [f32; 8] = [1.0 / 5040.0, 1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0];
 
