@@ -313,7 +313,9 @@ impl FusedBlock {
         Ok(y)
     }
 
-    /// `dx` of the block, with the parameter gradients as (tensor index, values).
+    /// `dx` of the block (if `want_dx`), with the parameter gradients as (tensor index,
+    /// values).
+    #[allow(clippy::too_many_arguments)]
     fn backward<T: BlockFloat>(
         &self,
         x: &[T],
@@ -321,7 +323,8 @@ impl FusedBlock {
         slices: &[&[T]],
         wants: &[Wants; 4],
         ln_wants: [bool; 2],
-    ) -> CResult<(Vec<T>, ParamGrads<T>)> {
+        want_dx: bool,
+    ) -> CResult<(Option<Vec<T>>, ParamGrads<T>)> {
         let w = &self.weights;
         let view = View::new(w, slices)?;
         let saved = self.saved.lock().unwrap_or_else(PoisonError::into_inner);
@@ -348,14 +351,19 @@ impl FusedBlock {
         let datt = projection_backward(attn_proj, &acts.adapters[1], &acts.att, &dx1, rows, wants[1], &mut grads)?;
         let dqkv = attention::backward_cpu(&acts.qkv, &datt, dims, &self.forks);
         drop(datt);
-        let dh1 = projection_backward(c_attn, &acts.adapters[0], &acts.h1, &dqkv, rows, wants[0], &mut grads)?;
+        // below c_attn only ln_1 and the block's input can want a gradient
+        let c_attn_wants = Wants { input: want_dx || ln_wants[0], ..wants[0] };
+        let dh1 = projection_backward(c_attn, &acts.adapters[0], &acts.h1, &dqkv, rows, c_attn_wants, &mut grads)?;
         drop(dqkv);
+        if !c_attn_wants.input {
+            return Ok((None, grads));
+        }
         let mut dx = dx1;
         let (dw1, db1) = layer_norm_backward(&mut dx, x, view.ln_1, &dh1, w.eps);
         if ln_wants[0] {
             grads.extend([(0, dw1), (1, db1)]);
         }
-        Ok((dx, grads))
+        Ok((want_dx.then_some(dx), grads))
     }
 
     /// Gradient indices per projection, and whether each layer norm trains.
@@ -363,7 +371,7 @@ impl FusedBlock {
         let tensors = self.weights.tensors();
         let trains = |i: usize| tensors[i].is_variable();
         let mut index = 4;
-        let mut out = [Wants { weight: None, bias: None, a: None, b: None }; 4];
+        let mut out = [Wants { weight: None, bias: None, a: None, b: None, input: true }; 4];
         for (slot, p) in out.iter_mut().zip(self.weights.projections()) {
             let (wi, bi) = (index, index + 1);
             index += 2;
@@ -379,7 +387,9 @@ impl FusedBlock {
         (out, [trains(0) || trains(1), trains(2) || trains(3)])
     }
 
-    fn run_backward<T: BlockFloat>(&self, x: &Tensor, grad: &Tensor) -> CResult<Tensor> {
+    /// The input's gradient, `None` when the input tracks none (the first block over
+    /// frozen embeddings): candle propagates nothing from it.
+    fn run_backward<T: BlockFloat>(&self, x: &Tensor, grad: &Tensor) -> CResult<Option<Tensor>> {
         let tensors = self.weights.tensors();
         let guards: Vec<_> = tensors.iter().map(|t| t.storage_and_layout()).collect();
         let slices = guards.iter().map(|(s, l)| slice_of::<T>(s, l)).collect::<CResult<Vec<_>>>()?;
@@ -387,7 +397,8 @@ impl FusedBlock {
         let (xs, xl) = x.storage_and_layout();
         let (gs, gl) = grad.storage_and_layout();
         let (wants, ln_wants) = self.wants();
-        let (dx, grads) = self.backward::<T>(slice_of(&xs, xl)?, slice_of(&gs, gl)?, &slices, &wants, ln_wants)?;
+        let (dx, grads) =
+            self.backward::<T>(slice_of(&xs, xl)?, slice_of(&gs, gl)?, &slices, &wants, ln_wants, x.track_op())?;
         drop(guards);
         let mut collected = Vec::with_capacity(grads.len());
         for (i, values) in grads {
@@ -396,7 +407,7 @@ impl FusedBlock {
             collected.push((param.clone(), Tensor::from_vec(values, shape, param.device())?));
         }
         self.grads.lock().unwrap_or_else(PoisonError::into_inner).extend(collected);
-        Tensor::from_vec(dx, x.shape().clone(), x.device())
+        dx.map(|dx| Tensor::from_vec(dx, x.shape().clone(), x.device())).transpose()
     }
 }
 
@@ -439,7 +450,7 @@ impl CustomOp2 for FusedBlock {
             candle_core::DType::F64 => self.run_backward::<f64>(x, grad)?,
             other => candle_core::bail!("fused-block: unsupported dtype {other:?}"),
         };
-        Ok((Some(dx), None))
+        Ok((dx, None))
     }
 }
 

@@ -133,6 +133,25 @@ multiversion! {
     }
 }
 
+multiversion! {
+    /// `grad = p * (grad - sum(p * grad))` in place: a softmax row's input gradient from
+    /// its output `p` and the output's gradient, the dot in sixteen lanes added up in f64.
+    pub(crate) fn softmax_backward_f32 / softmax_backward_f32_at(p: &[f32], grad: &mut [f32]) {
+        let mut lanes = [0f32; LANES];
+        let (mut ps, mut gs) = (p.chunks_exact(LANES), grad.chunks_exact(LANES));
+        for (p, g) in (&mut ps).zip(&mut gs) {
+            for k in 0..LANES {
+                lanes[k] += p[k] * g[k];
+            }
+        }
+        let tail: f64 = ps.remainder().iter().zip(gs.remainder()).map(|(&p, &g)| p as f64 * g as f64).sum();
+        let dot = (lanes.iter().map(|&v| v as f64).sum::<f64>() + tail) as f32;
+        for (g, &p) in grad.iter_mut().zip(p) {
+            *g = p * (*g - dot);
+        }
+    }
+}
+
 /// `e^x` at the type's speed: [`exp_f32`] for f32, libm for f64 (the tests' reference).
 pub(crate) trait FastExp: candle_core::WithDType {
     fn fast_exp(self) -> Self;
@@ -148,6 +167,15 @@ pub(crate) trait FastExp: candle_core::WithDType {
         let inv = Self::from_f64(1.0 / sum);
         row.iter_mut().for_each(|v| *v *= inv);
     }
+
+    /// `grad = p * (grad - sum(p * grad))` in place, for a softmax row `p`.
+    fn softmax_backward(p: &[Self], grad: &mut [Self]) {
+        let dot: f64 = p.iter().zip(grad.iter()).map(|(p, g)| p.to_f64() * g.to_f64()).sum();
+        let dot = Self::from_f64(dot);
+        for (g, &p) in grad.iter_mut().zip(p) {
+            *g = p * (*g - dot);
+        }
+    }
 }
 
 impl FastExp for f32 {
@@ -158,6 +186,10 @@ impl FastExp for f32 {
 
     fn softmax_in_place(row: &mut [f32]) {
         softmax_in_place_f32(row)
+    }
+
+    fn softmax_backward(p: &[f32], grad: &mut [f32]) {
+        softmax_backward_f32(p, grad)
     }
 }
 
@@ -196,6 +228,23 @@ mod tests {
         assert_eq!(exp_f32(f32::NEG_INFINITY), 0.0);
         assert!(exp_f32(f32::NAN).is_nan());
         assert_eq!(exp_f32(0.0), 1.0);
+    }
+
+    #[test]
+    fn softmax_backward_matches_the_f64_formula_at_every_vector_width() {
+        // a row of 203 (twelve lanes' blocks and a tail) that sums to one
+        let raw: Vec<f64> = (0..203).map(|i| 1.0 + ((i * 37 % 101) as f64) / 50.0).collect();
+        let total: f64 = raw.iter().sum();
+        let p: Vec<f32> = raw.iter().map(|v| (v / total) as f32).collect();
+        let grad: Vec<f32> = (0..203).map(|i| ((i * 53 % 89) as f32 - 44.0) / 10.0).collect();
+        let dot: f64 = p.iter().zip(&grad).map(|(&p, &g)| p as f64 * g as f64).sum();
+        let exact: Vec<f64> = p.iter().zip(&grad).map(|(&p, &g)| p as f64 * (g as f64 - dot)).collect();
+        for level in crate::ops::multiversion::supported_levels() {
+            let mut ours = grad.clone();
+            softmax_backward_f32_at(level, &p, &mut ours);
+            let err = ours.iter().zip(&exact).map(|(&o, &e)| (o as f64 - e).abs()).fold(0f64, f64::max);
+            assert!(err < 1e-7, "{level:?}: off by {err}");
+        }
     }
 
     #[test]

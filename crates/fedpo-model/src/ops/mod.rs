@@ -53,6 +53,7 @@ mod linear;
 mod matmul_frozen;
 pub mod multiversion;
 mod projection;
+mod query_blocks;
 mod row_exps;
 mod softmax;
 mod tied_embedding;

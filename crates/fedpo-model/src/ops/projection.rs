@@ -102,10 +102,14 @@ pub(super) struct Wants {
     pub(super) bias: Option<usize>,
     pub(super) a: Option<usize>,
     pub(super) b: Option<usize>,
+    /// Whether the input's gradient is wanted: not below the first block's `c_attn` when
+    /// nothing there trains (frozen embeddings and `ln_1`), where it is a whole
+    /// `c_attn`-sized matmul for nothing.
+    pub(super) input: bool,
 }
 
-/// `dx` of a projection given `dy: [n, out]` and its input `x: [n, in]`; the parameter
-/// gradients go to `grads` as (tensor index, values).
+/// `dx` of a projection given `dy: [n, out]` and its input `x: [n, in]` (empty unless
+/// `wants.input`); the parameter gradients go to `grads` as (tensor index, values).
 pub(super) fn projection_backward<T: WithDType>(
     p: &ProjectionView<'_, T>,
     acts: &AdapterActs<T>,
@@ -120,7 +124,7 @@ pub(super) fn projection_backward<T: WithDType>(
         grads.push((i, column_sums_cpu(dy, m)));
     }
     let weight = acts.merged.as_deref().unwrap_or(p.weight);
-    let mut dx = mm_new((n, k, m), (dy, m, 1), (weight, 1, m), T::one())?;
+    let mut dx = if wants.input { mm_new((n, k, m), (dy, m, 1), (weight, 1, m), T::one())? } else { Vec::new() };
     if wants.weight.is_some() || acts.merged.is_some() {
         let dw = mm_new((k, m, n), (x, 1, k), (dy, m, 1), T::one())?;
         if let Some((a, b, scale)) = p.adapter.filter(|_| acts.merged.is_some()) {
@@ -141,7 +145,9 @@ pub(super) fn projection_backward<T: WithDType>(
     if let (Some((a, b, scale)), Some(low_rank)) = (p.adapter, &acts.low_rank) {
         // out += s (x A^T) B^T: with v = dy B, dx += s v A, dA = s v^T x, dB = s dy^T (x A^T)
         let v = mm_new((n, r, m), (dy, m, 1), (b, r, 1), T::one())?;
-        mm_accumulate(&mut dx, (n, k, r), (&v, r, 1), (a, k, 1), scale)?;
+        if wants.input {
+            mm_accumulate(&mut dx, (n, k, r), (&v, r, 1), (a, k, 1), scale)?;
+        }
         if let Some(i) = wants.a {
             grads.push((i, mm_new((r, k, n), (&v, 1, r), (x, k, 1), scale)?));
         }
