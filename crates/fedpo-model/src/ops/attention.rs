@@ -316,7 +316,7 @@ pub fn causal_self_attention(
 }
 
 /// [`causal_self_attention`] where each sequence may fork after a shared prefix
-/// ([`Fork`]): a token of a fork's second branch does not see its first.
+/// ([`Fork`](super::Fork)): a token of a fork's second branch does not see its first.
 pub fn forked_self_attention(
     qkv: &Tensor,
     seq_len: usize,
