@@ -145,10 +145,9 @@ unsafe fn block_probs<T: FastExp>(dims: Dims, head: Head<T>, block: &QueryBlock,
     }
 }
 
-/// The query blocks of every sequence of the batch: one plan for all when none forks.
+/// The query blocks of each sequence of the batch.
 fn plans(dims: Dims, forks: &Forks) -> Vec<Vec<QueryBlock>> {
-    let sequences = if forks.is_none() { 1 } else { dims.batch };
-    (0..sequences).map(|b| query_blocks(dims.t, forks.of(b))).collect()
+    (0..dims.batch).map(|b| query_blocks(dims.t, forks.of(b))).collect()
 }
 
 pub(super) fn forward_cpu<T: FastExp>(qkv: &[T], dims: Dims, forks: &Forks) -> Vec<T> {
@@ -168,7 +167,7 @@ pub(super) fn forward_cpu<T: FastExp>(qkv: &[T], dims: Dims, forks: &Forks) -> V
             // once (first segment) and then added into.
             unsafe {
                 let head = Head::of(qkv.as_ptr(), dims, b, h);
-                for block in &plans[b.min(plans.len() - 1)] {
+                for block in &plans[b] {
                     block_probs(dims, head, block, probs);
                     let y = dst.ptr().add((b * t + block.rows.start) * d + h * hd);
                     let (rows, width) = (block.rows.len(), block.width());
@@ -215,7 +214,7 @@ pub(super) fn backward_cpu<T: FastExp>(qkv: &[T], dy: &[T], dims: Dims, forks: &
                     std::slice::from_raw_parts_mut(dk.add(r * three_d), hd).fill(T::zero());
                     std::slice::from_raw_parts_mut(dv.add(r * three_d), hd).fill(T::zero());
                 }
-                for block in &plans[b.min(plans.len() - 1)] {
+                for block in &plans[b] {
                     block_probs(dims, head, block, probs);
                     let (rows, width) = (block.rows.len(), block.width());
                     let dy_b = dy.as_ptr().add((b * t + block.rows.start) * d + h * hd);
@@ -223,9 +222,9 @@ pub(super) fn backward_cpu<T: FastExp>(qkv: &[T], dy: &[T], dims: Dims, forks: &
                     for (column, keys) in block.segments() {
                         let (p, dp) = (probs.as_ptr().add(column), dprobs.as_mut_ptr().add(column));
                         let (v, dv) = (head.v.add(keys.start * three_d), dv.add(keys.start * three_d));
-                        let (m, w) = (keys.len(), width);
-                        matmul_into((m, hd, rows), dv, three_d, true, p, (1, w), dy_b, (d, 1), T::one());
-                        matmul_into((rows, m, hd), dp, w, false, dy_b, (d, 1), v, (1, three_d), T::one());
+                        let m = keys.len();
+                        matmul_into((m, hd, rows), dv, three_d, true, p, (1, width), dy_b, (d, 1), T::one());
+                        matmul_into((rows, m, hd), dp, width, false, dy_b, (d, 1), v, (1, three_d), T::one());
                     }
                     let used = rows * width;
                     let rows_of = probs[..used].chunks(width).zip(dprobs[..used].chunks_mut(width));
@@ -237,9 +236,9 @@ pub(super) fn backward_cpu<T: FastExp>(qkv: &[T], dy: &[T], dims: Dims, forks: &
                     for (column, keys) in block.segments() {
                         let ds = dprobs.as_ptr().add(column);
                         let (k, dk) = (head.k.add(keys.start * three_d), dk.add(keys.start * three_d));
-                        let (m, w) = (keys.len(), width);
-                        matmul_into((rows, hd, m), dq_b, three_d, column > 0, ds, (w, 1), k, (three_d, 1), scale);
-                        matmul_into((m, hd, rows), dk, three_d, true, ds, (1, w), q_b, (three_d, 1), scale);
+                        let m = keys.len();
+                        matmul_into((rows, hd, m), dq_b, three_d, column > 0, ds, (width, 1), k, (three_d, 1), scale);
+                        matmul_into((m, hd, rows), dk, three_d, true, ds, (1, width), q_b, (three_d, 1), scale);
                     }
                 }
             }
