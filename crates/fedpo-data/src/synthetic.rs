@@ -61,7 +61,7 @@ impl Persona {
         let conflicting = (heterogeneity * STYLE_AXES as f64).round() as usize;
         let mut signs = [1i8; STYLE_AXES];
         for s in signs.iter_mut().take(conflicting) {
-            *s = if id % 2 == 0 { 1 } else { -1 };
+            *s = if id.is_multiple_of(2) { 1 } else { -1 };
         }
         Ok(Self { id, signs })
     }

@@ -93,7 +93,7 @@ impl Gpt2Config {
                 self.n_layer, self.n_embd, self.n_head
             ));
         }
-        if self.n_embd % self.n_head != 0 {
+        if !self.n_embd.is_multiple_of(self.n_head) {
             return bad(format!("n_embd {} is not divisible by n_head {}", self.n_embd, self.n_head));
         }
         if self.vocab_size == 0 || self.n_positions == 0 {

@@ -61,10 +61,10 @@ impl Dims {
 
     /// From `rows` rows of a `three_d`-wide projection.
     pub(super) fn of_rows(rows: usize, three_d: usize, t: usize, n_head: usize, what: &str) -> CResult<Self> {
-        if n_head == 0 || three_d % (3 * n_head) != 0 {
+        if n_head == 0 || !three_d.is_multiple_of(3 * n_head) {
             candle_core::bail!("{what}: last dimension {three_d} is not 3 x n_head ({n_head}) x head_dim");
         }
-        if t == 0 || rows % t != 0 {
+        if t == 0 || !rows.is_multiple_of(t) {
             candle_core::bail!("{what}: {rows} rows are not whole sequences of {t} tokens");
         }
         Ok(Self { batch: rows / t, t, n_head, head_dim: three_d / (3 * n_head) })

@@ -122,7 +122,7 @@ fn exp_until_portable(xs: &mut [f32], shift: f32, limit: f32) -> (f64, usize) {
     let (mut total, mut sums) = (0f64, [0f32; LANES]);
     let whole = xs.len() / LANES * LANES;
     for (i, block) in xs[..whole].chunks_exact_mut(LANES).enumerate() {
-        if i * LANES % SUM_BLOCK == 0 {
+        if (i * LANES).is_multiple_of(SUM_BLOCK) {
             total += lane_total(&sums);
             sums = [0f32; LANES];
         }
