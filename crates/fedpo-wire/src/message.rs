@@ -63,6 +63,37 @@ pub struct RoundDeclined {
     pub reason: String,
 }
 
+impl DeviceBye {
+    /// A goodbye whose reason fits the wire (see [`fit_reason`]).
+    pub fn new(device: impl Into<String>, reason: &str) -> Self {
+        Self { device: device.into(), reason: fit_reason(reason) }
+    }
+}
+
+impl RoundDeclined {
+    /// A decline whose reason fits the wire (see [`fit_reason`]).
+    pub fn new(device: impl Into<String>, round: u64, reason: &str) -> Self {
+        Self { device: device.into(), round, reason: fit_reason(reason) }
+    }
+}
+
+/// `reason` cut to the longest text a receiver with the default [`Limits`] accepts (a
+/// reason is checked like a name), at a character boundary and ending in `…`. A longer
+/// one would make the whole message undecodable, and the aggregator would never learn
+/// that the device left or sat the round out; the device logs the whole text itself.
+fn fit_reason(reason: &str) -> String {
+    const MORE: char = '…';
+    let limit = Limits::default().max_name_len;
+    if reason.len() <= limit {
+        return reason.to_string();
+    }
+    let mut end = limit - MORE.len_utf8();
+    while !reason.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}{MORE}", &reason[..end])
+}
+
 /// Local training settings a round asks for.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Hyperparameters {

@@ -365,3 +365,23 @@ fn decoding_in_place_refuses_and_accepts_what_decoding_does() {
         Err(WireError::MessageTooLarge { size: 5, max: 4 })
     ));
 }
+
+#[test]
+fn a_goodbye_or_decline_with_a_long_reason_is_cut_to_what_receivers_accept() {
+    let limits = Limits::default();
+    // Multi-byte characters straddle the cut: it must fall on a character boundary.
+    let long = format!("--max-memory 1000 MiB cannot hold this training: {}", "é".repeat(400));
+    let raw = Message::Bye(DeviceBye { device: "pi-4".into(), reason: long.clone() }).encode();
+    assert!(Message::decode(&raw, &limits).is_err(), "an uncut reason is refused by the receiver");
+    for msg in [Message::Bye(DeviceBye::new("pi-4", &long)), Message::Declined(RoundDeclined::new("pi-4", 3, &long))] {
+        let reason = match Message::decode(&msg.encode(), &limits).expect("decodes") {
+            Message::Bye(b) => b.reason,
+            Message::Declined(d) => d.reason,
+            other => panic!("{other:?}"),
+        };
+        assert!(reason.len() <= limits.max_name_len && reason.ends_with('…'), "{} bytes", reason.len());
+        assert!(long.starts_with(reason.trim_end_matches('…')));
+    }
+    let short = DeviceBye::new("pi-4", "done");
+    assert_eq!(short.reason, "done", "a reason that fits is kept whole");
+}
