@@ -168,6 +168,7 @@ impl SimulateArgs {
                 max_len: self.max_len,
                 compute: Device::Cpu,
                 max_memory_mib: None,
+                max_micro_batch_pairs: None,
                 compute_dtype: candle_core::DType::F32,
                 trusted_key: trusted_key.as_deref().map(PlanVerifier::parse).transpose()?,
                 adversary: (k < self.attackers).then_some(self.attack),

@@ -33,7 +33,8 @@ fn device_over_its_memory_budget_leaves_the_job_before_downloading_the_model() {
         heldout: data.heldout,
         max_len: 128,
         compute: Device::Cpu,
-        max_memory_mib: Some(1500),
+        max_memory_mib: Some(1000),
+        max_micro_batch_pairs: None,
         compute_dtype: candle_core::DType::F32,
         trusted_key: None,
         adversary: None,
@@ -73,7 +74,7 @@ fn device_over_its_memory_budget_leaves_the_job_before_downloading_the_model() {
     let err = device.join().unwrap().expect_err("the device refuses the job");
     assert!(matches!(err, ParticipantError::Memory { round: 1, .. }), "{err}");
     let text = err.to_string();
-    assert!(text.contains("--max-memory 1500 MiB cannot hold"), "{text}");
+    assert!(text.contains("--max-memory 1000 MiB cannot hold"), "{text}");
     let byes: Vec<String> = tap
         .stop()
         .iter()

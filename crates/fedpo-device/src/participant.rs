@@ -20,7 +20,7 @@ use fedpo_wire::{
 };
 use thiserror::Error;
 
-use crate::memory::{self, longest, PlanError, PlanRequest};
+use crate::memory::{self, longest, PlanError, PlanRequest, StepKernels};
 use crate::round::{train_round, RoundInputs};
 use crate::state_dir::{Progress, SentUpdate, StateDir};
 
@@ -89,6 +89,10 @@ pub struct ParticipantConfig {
     /// Memory budget for training, MiB: each round's micro-batch is planned to fit it, and a
     /// model that cannot fit makes the device leave the job before downloading it.
     pub max_memory_mib: Option<u64>,
+    /// The most pairs one forward pass takes (`--micro-batch-pairs`): a round's batch of
+    /// more is trained in several passes with gradient accumulation. `--max-memory` may
+    /// plan fewer; `None` leaves it to the budget, or runs the whole batch in one pass.
+    pub max_micro_batch_pairs: Option<usize>,
     /// Dtype of matmuls and activations (f32, or bf16/f16 for mixed precision).
     pub compute_dtype: candle_core::DType,
     /// The aggregator's pinned public key: plans (and so models) whose signature does not
@@ -186,7 +190,7 @@ pub fn run(cfg: ParticipantConfig) -> Result<ParticipantSummary, ParticipantErro
     }
     if let Err(e) = p.event_loop() {
         if matches!(e, ParticipantError::Memory { .. }) {
-            let bye = Message::Bye(DeviceBye { device: p.cfg.id.clone(), reason: e.to_string() });
+            let bye = Message::Bye(DeviceBye::new(p.cfg.id.clone(), &e.to_string()));
             let _ = p.link.publish(&p.topics.up(&p.cfg.id), bye.encode());
             p.link.close(Duration::from_secs(10));
         }
@@ -206,12 +210,7 @@ impl Participant {
 
     /// Tells the aggregator not to wait for this device's update this round.
     fn decline(&self, round: u64, reason: &str) -> Result<(), ParticipantError> {
-        let mut end = reason.len().min(self.limits.max_name_len);
-        while !reason.is_char_boundary(end) {
-            end -= 1;
-        }
-        let reason = reason[..end].to_string();
-        self.send(&Message::Declined(RoundDeclined { device: self.cfg.id.clone(), round, reason }))
+        self.send(&Message::Declined(RoundDeclined::new(self.cfg.id.clone(), round, reason)))
     }
 
     fn hello(&self) -> Result<(), ParticipantError> {
@@ -228,22 +227,28 @@ impl Participant {
     /// Plans the round's micro-batch under `--max-memory`, before the model is downloaded.
     /// A model that cannot fit is an error: no later round of the job would fit either.
     fn fit_memory(&mut self, plan: &RoundPlan) -> Result<(), ParticipantError> {
-        let Some(budget) = self.cfg.max_memory_mib else { return Ok(()) };
+        let Some(budget) = self.cfg.max_memory_mib else {
+            self.micro_batch_pairs = self.cfg.max_micro_batch_pairs;
+            return Ok(());
+        };
         let spec: fedpo_model::PolicySpec = serde_json::from_str(&plan.model_spec)
             .map_err(|e| ParticipantError::Protocol(format!("round {}: unreadable model spec: {e}", plan.round)))?;
         let (seq_len, response_len) = longest(&self.train);
         let (h_seq, h_resp) = longest(&self.heldout);
+        let batch_pairs = plan.hyper.batch_pairs.max(1) as usize;
         let request = PlanRequest {
             config: spec.config,
             lora: spec.lora.filter(|_| spec.partition.uses_adapter()),
             partition: spec.partition,
             optimizer: fedpo_train::OptimKind::Sgd,
-            batch_pairs: plan.hyper.batch_pairs.max(1) as usize,
+            batch_pairs,
+            max_micro_batch_pairs: self.cfg.max_micro_batch_pairs.unwrap_or(batch_pairs),
             seq_len: seq_len.max(h_seq),
             response_len: response_len.max(h_resp),
             federated: true,
             may_freeze_embeddings: false,
             may_shorten: false,
+            kernels: StepKernels::for_run(&self.cfg.compute, self.cfg.compute_dtype),
         };
         let fitted =
             memory::plan(&request, budget).map_err(|reason| ParticipantError::Memory { round: plan.round, reason })?;

@@ -75,6 +75,11 @@ pub(crate) struct RunArgs {
     /// whose model cannot fit is refused before its model is downloaded.
     #[arg(long, value_name = "MB")]
     max_memory: Option<u64>,
+    /// The most pairs one forward pass takes: a round's batch of more trains in several
+    /// passes with gradient accumulation (the same step, less activation memory, slower);
+    /// with --max-memory the plan may take fewer.
+    #[arg(long, value_name = "PAIRS", value_parser = clap::value_parser!(u64).range(1..))]
+    micro_batch_pairs: Option<u64>,
     /// CA certificate (PEM) for mqtts://.
     #[arg(long)]
     ca: Option<PathBuf>,
@@ -132,6 +137,7 @@ pub(crate) fn run(args: RunArgs) -> Result<()> {
         max_len: args.max_len,
         compute: parse_device(&args.device)?,
         max_memory_mib: args.max_memory,
+        max_micro_batch_pairs: args.micro_batch_pairs.map(|n| n as usize),
         compute_dtype: args.compute_dtype,
         trusted_key: args.trust_key.as_deref().map(PlanVerifier::parse).transpose()?,
         adversary: None,

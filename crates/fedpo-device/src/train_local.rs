@@ -8,7 +8,7 @@ use anyhow::{Context, Result};
 use candle_core::Device;
 use clap::Args;
 use fedpo_data::fingerprint;
-use fedpo_device::memory::{self, longest, peak_rss_mib, PlanRequest};
+use fedpo_device::memory::{self, longest, peak_rss_mib, PlanRequest, StepKernels};
 use fedpo_model::checkpoint::{save_adapter, save_model_dir};
 use fedpo_model::io::{hash_tensors, write_atomic};
 use fedpo_model::{ParamKind, ParamRole, Partition, Policy};
@@ -110,12 +110,14 @@ fn fit_to_memory(args: &mut TrainLocalArgs, budget_mib: u64, data: &LoadedData, 
         lora: args.model.adapter_config(device)?,
         partition: Partition { preset: args.model.partition, freeze_embeddings: args.model.freeze_embeddings },
         optimizer: args.dpo.optim,
-        batch_pairs: args.dpo.micro_batch_pairs.unwrap_or(args.dpo.batch_pairs).min(args.dpo.batch_pairs),
+        batch_pairs: args.dpo.batch_pairs,
+        max_micro_batch_pairs: args.dpo.micro_batch_pairs.unwrap_or(args.dpo.batch_pairs),
         seq_len,
         response_len,
         federated: false,
         may_freeze_embeddings: true,
         may_shorten: true,
+        kernels: StepKernels::for_run(device, args.model.compute_dtype),
         config,
     };
     let plan = memory::plan(&request, budget_mib)?;

@@ -173,6 +173,7 @@ pub fn participant_config(
         max_len,
         compute: Device::Cpu,
         max_memory_mib: None,
+        max_micro_batch_pairs: None,
         compute_dtype: candle_core::DType::F32,
         trusted_key: None,
         adversary: None,

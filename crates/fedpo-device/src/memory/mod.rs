@@ -4,7 +4,7 @@
 pub mod footprint;
 pub mod planner;
 
-pub use footprint::{Estimate, ParamCounts, Workload};
+pub use footprint::{Estimate, ParamCounts, StepKernels, Workload, SAFETY_MARGIN, TOKENIZER_MIB};
 pub use planner::{longest, plan, MemoryPlan, PlanError, PlanRequest};
 
 /// Peak resident set size of this process so far, in MiB (0 where unknown).

@@ -16,7 +16,7 @@ use fedpo_model::{Gpt2Config, LoraConfig, Partition};
 use fedpo_train::OptimKind;
 use thiserror::Error;
 
-use super::footprint::{Estimate, ParamCounts, Workload};
+use super::footprint::{Estimate, ParamCounts, StepKernels, Workload};
 
 /// Sequences are never shortened below this many tokens.
 pub const MIN_SEQ_LEN: usize = 32;
@@ -34,6 +34,9 @@ pub struct PlanRequest {
     pub optimizer: OptimKind,
     /// Pairs per optimizer step (fixed: it is part of the method).
     pub batch_pairs: usize,
+    /// The most pairs one forward pass may take (`--micro-batch-pairs`); the planner may
+    /// take fewer. Clamped to `1..=batch_pairs`.
+    pub max_micro_batch_pairs: usize,
     /// Tokens of the longest tokenized sequence.
     pub seq_len: usize,
     /// Response tokens of the longest response (where logits are taken).
@@ -44,6 +47,8 @@ pub struct PlanRequest {
     pub may_freeze_embeddings: bool,
     /// The planner may shorten sequences.
     pub may_shorten: bool,
+    /// The kernels training runs on.
+    pub kernels: StepKernels,
 }
 
 /// A configuration that fits.
@@ -107,11 +112,14 @@ impl PlanRequest {
             config: self.config.clone(),
             params: ParamCounts::of(&self.config, self.lora.as_ref(), partition),
             micro_batch_pairs,
+            batch_pairs: self.batch_pairs,
             seq_len,
             logit_positions: self.response_len.min(seq_len),
             optimizer: self.optimizer,
             federated: self.federated,
             embeddings_train: partition.base_role("wte.weight").is_trainable(),
+            kernels: self.kernels,
+            shared_prompt: fedpo_train::logps::shares_prompts(),
         }
     }
 
@@ -119,12 +127,24 @@ impl PlanRequest {
         self.workload(micro, freeze, seq_len).estimate()
     }
 
-    /// The largest micro-batch that fits at these settings, if any.
+    /// The micro-batches the planner may choose from, largest first.
+    fn micro_batches(&self) -> impl Iterator<Item = usize> {
+        (1..=self.max_micro_batch_pairs.clamp(1, self.batch_pairs)).rev()
+    }
+
+    /// The largest micro-batch that fits at these settings, if any. Not always the
+    /// smallest that fits: a batch split over several passes holds a gradient
+    /// accumulation buffer, which can outweigh the activations it saves.
     fn largest_micro_batch(&self, budget: f64, freeze: bool, seq_len: usize) -> Option<(usize, f64)> {
-        (1..=self.batch_pairs)
-            .rev()
-            .map(|m| (m, self.estimate(m, freeze, seq_len).peak_mib()))
-            .find(|(_, mib)| *mib <= budget)
+        self.micro_batches().map(|m| (m, self.estimate(m, freeze, seq_len).peak_mib())).find(|(_, mib)| *mib <= budget)
+    }
+
+    /// The micro-batch with the smallest footprint at these settings, and its estimate.
+    fn smallest_footprint(&self, freeze: bool, seq_len: usize) -> (usize, Estimate) {
+        self.micro_batches()
+            .map(|m| (m, self.estimate(m, freeze, seq_len)))
+            .min_by(|(_, a), (_, b)| a.peak_mib().total_cmp(&b.peak_mib()))
+            .unwrap_or_else(|| (1, self.estimate(1, freeze, seq_len)))
     }
 }
 
@@ -139,8 +159,8 @@ pub fn longest(pairs: &[TokenizedPair]) -> (usize, usize) {
 
 /// Fits `request` into `budget_mib`.
 pub fn plan(request: &PlanRequest, budget_mib: u64) -> Result<MemoryPlan, PlanError> {
-    if request.batch_pairs == 0 || request.seq_len == 0 {
-        return Err(PlanError::Invalid("batch pairs and sequence length must be positive".into()));
+    if request.batch_pairs == 0 || request.max_micro_batch_pairs == 0 || request.seq_len == 0 {
+        return Err(PlanError::Invalid("batch pairs, micro-batch pairs and sequence length must be positive".into()));
     }
     let budget = budget_mib as f64;
     let already_frozen = request.partition.freeze_embeddings;
@@ -173,9 +193,9 @@ pub fn plan(request: &PlanRequest, budget_mib: u64) -> Result<MemoryPlan, PlanEr
     }
 
     let (len, freeze) = (*lengths.last().unwrap_or(&request.seq_len), *freeze_options.last().unwrap_or(&false));
-    let smallest = request.estimate(1, freeze, len);
+    let (micro, smallest) = request.smallest_footprint(freeze, len);
     let smallest_plan = MemoryPlan {
-        micro_batch_pairs: 1,
+        micro_batch_pairs: micro,
         freeze_embeddings: freeze,
         max_len: (len < request.seq_len).then_some(len),
         estimate_mib: smallest.peak_mib(),
@@ -229,12 +249,19 @@ mod tests {
             partition: Partition::new(PartitionPreset::Pfeddpo),
             optimizer: OptimKind::Sgd,
             batch_pairs: 8,
+            max_micro_batch_pairs: 8,
             seq_len: 128,
             response_len: 64,
             federated: true,
             may_freeze_embeddings: false,
             may_shorten: false,
+            kernels: StepKernels::Fused,
         }
+    }
+
+    /// Long pairs, where the activations outweigh the accumulation buffer.
+    fn long_pairs_request() -> PlanRequest {
+        PlanRequest { seq_len: 512, response_len: 256, ..distilgpt2_request() }
     }
 
     #[test]
@@ -244,14 +271,36 @@ mod tests {
     }
 
     #[test]
-    fn a_raspberry_pi_budget_splits_the_batch_and_stays_under_it() {
+    fn a_tight_budget_splits_a_batch_of_long_pairs_and_stays_under_it() {
+        let request = long_pairs_request();
+        let whole = request.estimate(8, false, 512).peak_mib();
+        let budget = whole - 200.0;
+        let p = plan(&request, budget as u64).unwrap();
+        assert!(p.micro_batch_pairs < 8 && p.micro_batch_pairs >= 1, "{p}");
+        assert!(p.estimate_mib <= budget);
+        // The next larger micro-batch would not have fitted: the planner takes the largest.
+        assert!(request.estimate(p.micro_batch_pairs + 1, false, 512).peak_mib() > budget);
+    }
+
+    #[test]
+    fn short_pairs_are_not_split_where_the_accumulation_buffer_costs_more_than_it_saves() {
         // The synthetic personas' longest pair: 71 tokens, 55 of them response.
         let request = PlanRequest { seq_len: 71, response_len: 55, ..distilgpt2_request() };
-        let p = plan(&request, 3000).unwrap();
-        assert!(p.micro_batch_pairs < 8 && p.micro_batch_pairs >= 1, "{p}");
-        assert!(p.estimate_mib <= 3000.0);
-        // The next larger micro-batch would not have fitted: the planner takes the largest.
-        assert!(request.estimate(p.micro_batch_pairs + 1, false, 71).peak_mib() > 3000.0);
+        let whole = request.estimate(8, false, 71).peak_mib();
+        assert!(request.estimate(1, false, 71).peak_mib() > whole);
+        let err = plan(&request, (whole - 1.0) as u64).unwrap_err().to_string();
+        assert!(err.contains("(8 pairs per pass) needs about"), "{err}");
+    }
+
+    #[test]
+    fn a_micro_batch_cap_is_kept_and_its_accumulation_buffer_counted() {
+        let request = PlanRequest { max_micro_batch_pairs: 2, ..distilgpt2_request() };
+        let p = plan(&request, 64 * 1024).unwrap();
+        assert_eq!(p.micro_batch_pairs, 2);
+        let uncapped = distilgpt2_request();
+        // Two passes of two pairs hold the accumulation buffer that one pass of eight does not.
+        let params = |r: &PlanRequest, m| r.estimate(m, false, 128).parameters_mib;
+        assert!(params(&request, 2) > params(&uncapped, 8) + 300.0);
     }
 
     #[test]
@@ -259,12 +308,12 @@ mod tests {
         let err = plan(&distilgpt2_request(), 1200).unwrap_err();
         let text = err.to_string();
         assert!(text.contains("--max-memory 1200 MiB"), "{text}");
-        assert!(text.contains("1 pair per pass"), "{text}");
+        assert!(text.contains(" per pass) needs about"), "{text}");
         match err {
             PlanError::DoesNotFit { needed_mib, .. } => assert!(needed_mib > 1200.0),
             other => panic!("{other:?}"),
         }
-        // 1200 MiB is below even the weights' copies: no hint can rescue it.
+        // 300 MiB is below even the weights' copies: no hint can rescue it.
         let tiny_budget = plan(&distilgpt2_request(), 300).unwrap_err().to_string();
         assert!(tiny_budget.contains("smaller model"), "{tiny_budget}");
     }
@@ -273,8 +322,8 @@ mod tests {
     fn a_federated_device_is_told_that_frozen_embeddings_would_fit() {
         // Frozen embeddings drop 39 M trainable parameters; find a budget where only that helps.
         let request = distilgpt2_request();
-        let unfrozen = request.estimate(1, false, 128).peak_mib();
-        let frozen = request.estimate(1, true, 128).peak_mib();
+        let unfrozen = request.smallest_footprint(false, 128).1.peak_mib();
+        let frozen = request.smallest_footprint(true, 128).1.peak_mib();
         assert!(frozen < unfrozen);
         let budget = ((frozen + unfrozen) / 2.0) as u64;
         let text = plan(&request, budget).unwrap_err().to_string();
@@ -288,18 +337,22 @@ mod tests {
 
     #[test]
     fn shortening_is_the_last_resort_and_never_goes_below_the_floor() {
-        let request = PlanRequest {
-            may_freeze_embeddings: true,
-            may_shorten: true,
-            federated: false,
-            seq_len: 512,
-            response_len: 256,
-            ..distilgpt2_request()
-        };
-        let frozen_short = request.estimate(1, true, MIN_SEQ_LEN).peak_mib();
+        let request =
+            PlanRequest { may_freeze_embeddings: true, may_shorten: true, federated: false, ..long_pairs_request() };
+        let frozen_short = request.smallest_footprint(true, MIN_SEQ_LEN).1.peak_mib();
         let p = plan(&request, frozen_short.ceil() as u64).unwrap();
         assert!(p.freeze_embeddings);
         assert_eq!(p.max_len, Some(MIN_SEQ_LEN));
         assert!(plan(&request, (frozen_short - 1.0) as u64).is_err());
+    }
+
+    #[test]
+    fn the_composed_kernels_are_planned_with_their_own_larger_footprint() {
+        let fused = distilgpt2_request();
+        let composed = PlanRequest { kernels: StepKernels::Composed, ..distilgpt2_request() };
+        let at = |r: &PlanRequest| r.estimate(8, false, 128).peak_mib();
+        assert!(at(&composed) > 2.0 * at(&fused), "{} vs {}", at(&composed), at(&fused));
+        assert_eq!(StepKernels::for_run(&candle_core::Device::Cpu, candle_core::DType::F32), StepKernels::Fused);
+        assert_eq!(StepKernels::for_run(&candle_core::Device::Cpu, candle_core::DType::BF16), StepKernels::Composed);
     }
 }
