@@ -174,7 +174,10 @@ impl WireTensor {
         }
         let (least, most) = byte_bounds(&self.shape, self.dtype).unwrap_or((u64::MAX, u64::MAX));
         let found = self.data.len() as u64;
-        if found < least || found > most || (self.dtype == WireDType::Sparse && !found.is_multiple_of(SPARSE_ENTRY as u64)) {
+        if found < least
+            || found > most
+            || (self.dtype == WireDType::Sparse && !found.is_multiple_of(SPARSE_ENTRY as u64))
+        {
             return Err(WireError::TensorSizeMismatch {
                 name: self.name.clone(),
                 shape: self.shape.clone(),
