@@ -127,13 +127,13 @@ impl PlanRequest {
         self.workload(micro, freeze, seq_len).estimate()
     }
 
-    /// The micro-batches the planner may choose from, largest first.
+    /// The micro-batches the planner may choose from, largest first; always at least 1.
     fn micro_batches(&self) -> impl Iterator<Item = usize> {
-        (1..=self.max_micro_batch_pairs.clamp(1, self.batch_pairs)).rev()
+        (1..=self.max_micro_batch_pairs.min(self.batch_pairs).max(1)).rev()
     }
 
-    /// The largest micro-batch that fits at these settings, if any. Not always the
-    /// smallest that fits: a batch split over several passes holds a gradient
+    /// The largest micro-batch that fits at these settings, if any. It need not be the one
+    /// with the smallest footprint: a batch split over several passes holds a gradient
     /// accumulation buffer, which can outweigh the activations it saves.
     fn largest_micro_batch(&self, budget: f64, freeze: bool, seq_len: usize) -> Option<(usize, f64)> {
         self.micro_batches().map(|m| (m, self.estimate(m, freeze, seq_len).peak_mib())).find(|(_, mib)| *mib <= budget)
