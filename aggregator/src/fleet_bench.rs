@@ -212,7 +212,7 @@ fn prepare(plan: RoundPlan, codec: UpdateCodec) -> Result<(Prepared, f64)> {
 /// every round whose plan selects it, until the job is finished.
 fn synthetic_device(url: &BrokerUrl, topics: &Topics, id: &str, orders: Receiver<Order>) -> Result<()> {
     let mut opts = LinkOptions::new(id.to_string());
-    let will = Message::Bye(DeviceBye { device: id.into(), reason: "connection lost".into() });
+    let will = Message::Bye(DeviceBye::last_will(id));
     opts.last_will = Some((topics.up(id), will.encode()));
     let link = MqttLink::connect(url, &opts)?;
     let hello = Message::Hello(DeviceHello {

@@ -56,6 +56,16 @@ pub(crate) struct SimulateArgs {
     /// Continue the checkpoint in --out.
     #[arg(long)]
     pub(crate) resume: bool,
+    /// Each device's memory budget for training, MiB (a device's `--max-memory`): its
+    /// rounds are planned to fit, and a device whose model cannot fit leaves the job. The
+    /// devices share this machine's memory, so N of them need about N times this.
+    #[arg(long, value_name = "MB", value_parser = clap::value_parser!(u64).range(1..))]
+    pub(crate) device_max_memory: Option<u64>,
+    /// The most pairs one forward pass takes on each device (a device's
+    /// `--micro-batch-pairs`): larger batches train in several passes with gradient
+    /// accumulation.
+    #[arg(long, value_name = "PAIRS", value_parser = clap::value_parser!(u64).range(1..))]
+    pub(crate) micro_batch_pairs: Option<u64>,
     /// Make the first K devices Byzantine: they train honestly and upload a poisoned
     /// update (see --attack). For testing --aggregation.
     #[arg(long, value_name = "K", default_value_t = 0)]
@@ -130,6 +140,8 @@ impl SimulateArgs {
                     .arg("--state-dir")
                     .arg(devices_dir.join(&id))
                     .args(trusted_key.iter().flat_map(|k| ["--trust-key", k.as_str()]))
+                    .args(self.device_max_memory.iter().flat_map(|mb| ["--max-memory".to_string(), mb.to_string()]))
+                    .args(self.micro_batch_pairs.iter().flat_map(|n| ["--micro-batch-pairs".to_string(), n.to_string()]))
                     .stdout(Stdio::null())
                     .stderr(log);
                 if let Some(p) = &url.password {
@@ -167,8 +179,8 @@ impl SimulateArgs {
                 heldout,
                 max_len: self.max_len,
                 compute: Device::Cpu,
-                max_memory_mib: None,
-                max_micro_batch_pairs: None,
+                max_memory_mib: self.device_max_memory,
+                max_micro_batch_pairs: self.micro_batch_pairs.map(|n| n as usize),
                 compute_dtype: candle_core::DType::F32,
                 trusted_key: trusted_key.as_deref().map(PlanVerifier::parse).transpose()?,
                 adversary: (k < self.attackers).then_some(self.attack),
@@ -212,6 +224,7 @@ pub(crate) fn run(args: SimulateArgs) -> Result<Summary> {
     opts.tls = tls.clone();
     let link = MqttLink::connect(&url, &opts)?;
     let mut server = Server::new(link, job.clone(), &args.out, args.resume)?;
+    server.close_fleet(if job.method == Method::Centralized { 1 } else { args.devices });
     println!(
         "simulating {} devices ({} per round) for {} rounds of {} on {} via {url}",
         args.devices, job.per_round, job.rounds, job.method, job.model

@@ -50,3 +50,43 @@ fn existing_checkpoint_is_not_overwritten_without_resume() {
     assert!(!ok);
     assert!(err.contains("--resume"), "{err}");
 }
+
+/// Every simulated device refuses the job under a budget too small for the tiny model:
+/// the simulation fails at once with their reason, instead of waiting out
+/// --register-timeout for devices that will not come back.
+#[test]
+fn a_fleet_that_cannot_fit_its_budget_ends_the_simulation_with_the_devices_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let started = std::time::Instant::now();
+    let (ok, err) = run(&[
+        "simulate",
+        "--devices",
+        "2",
+        "--rounds",
+        "2",
+        "--model",
+        "tiny",
+        "--train-pairs",
+        "8",
+        "--heldout-pairs",
+        "4",
+        "--device-max-memory",
+        "40",
+        "--out",
+        dir.path().to_str().unwrap(),
+    ]);
+    assert!(!ok, "the simulation cannot succeed");
+    assert!(err.contains("all 2 devices left the job"), "{err}");
+    assert!(err.contains("dev-0, dev-1") && err.contains("--max-memory 40 MiB cannot hold"), "{err}");
+    assert!(started.elapsed().as_secs() < 120, "it waited {:?} for devices that had left", started.elapsed());
+}
+
+#[test]
+fn simulate_refuses_a_zero_memory_budget_or_micro_batch() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().to_str().unwrap();
+    for flag in ["--device-max-memory", "--micro-batch-pairs"] {
+        let (ok, err) = run(&["simulate", flag, "0", "--out", out]);
+        assert!(!ok && err.contains(flag) && err.contains('0'), "{flag}: {err}");
+    }
+}

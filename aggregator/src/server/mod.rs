@@ -65,6 +65,12 @@ pub(crate) struct Server {
     encoded_global: Option<EncodedPayload>,
     /// The last round's combined sum, whose buffers the next round sums into.
     spent_sum: Option<WeightedSum>,
+    /// A simulation's fixed fleet size: once that many devices have said goodbye, none
+    /// will come back, and waiting for them would only run out --register-timeout.
+    closed_fleet: Option<usize>,
+    /// The reason each device gave when it chose to leave, until it says hello again. A
+    /// last will is not counted: the device may only have lost its connection.
+    farewells: BTreeMap<String, String>,
 }
 
 /// A round being collected.
@@ -198,10 +204,33 @@ impl Server {
             started: Instant::now(),
             encoded_global: None,
             spent_sum: None,
+            closed_fleet: None,
+            farewells: BTreeMap::new(),
         })
     }
 
     /// The current global model (for tests and the simulation's report).
+    /// Declares the fleet closed: `devices` devices, none joining later and none returning
+    /// after a goodbye of its own (a simulation's). When all of them have left, the job
+    /// fails with their reasons instead of waiting for devices that will not come.
+    pub(crate) fn close_fleet(&mut self, devices: usize) {
+        self.closed_fleet = Some(devices);
+    }
+
+    /// The error to stop with when every device of a closed fleet has said goodbye.
+    fn fleet_gone(&self) -> Option<anyhow::Error> {
+        let fleet = self.closed_fleet?;
+        if fleet == 0 || self.farewells.len() < fleet {
+            return None;
+        }
+        let mut reasons: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+        for (device, reason) in &self.farewells {
+            reasons.entry(reason.as_str()).or_default().push(device.as_str());
+        }
+        let said = reasons.iter().map(|(reason, devices)| format!("{}: {reason}", devices.join(", ")));
+        Some(anyhow::anyhow!("all {fleet} devices left the job. {}", said.collect::<Vec<_>>().join("; ")))
+    }
+
     pub(crate) fn global(&self) -> &GlobalModel {
         &self.global
     }
@@ -264,6 +293,9 @@ impl Server {
         let deadline = Instant::now() + Duration::from_secs(self.job.register_timeout);
         let mut last_report = Instant::now();
         while self.online().len() < want {
+            if let Some(gone) = self.fleet_gone() {
+                return Err(gone);
+            }
             if Instant::now() > deadline {
                 bail!(
                     "only {} of the {want} devices needed registered within --register-timeout {} s",
@@ -589,6 +621,7 @@ impl Server {
                 if !known {
                     tracing::info!(%device, pairs = h.pairs, backend = %h.backend, "device registered");
                 }
+                self.farewells.remove(&device);
                 let record =
                     DeviceRecord { pairs: h.pairs, backend: h.backend, online: true, connection: h.connection };
                 self.state.devices.insert(device.clone(), record);
@@ -604,6 +637,9 @@ impl Server {
                 }
             }
             Message::Bye(b) => {
+                if b.is_deliberate() {
+                    self.farewells.insert(device.clone(), b.reason.clone());
+                }
                 if let Some(d) = self.state.devices.get_mut(&device) {
                     if d.online {
                         tracing::warn!(%device, reason = %b.reason, "device offline");

@@ -161,7 +161,7 @@ pub fn run(cfg: ParticipantConfig) -> Result<ParticipantSummary, ParticipantErro
     let state = StateDir::open(&cfg.state_dir)?;
     let mut opts = LinkOptions::new(format!("fedpo-{}-{}", cfg.job, cfg.id));
     opts.tls = cfg.tls.clone();
-    let will = Message::Bye(DeviceBye { device: cfg.id.clone(), reason: "connection lost".into() });
+    let will = Message::Bye(DeviceBye::last_will(cfg.id.clone()));
     opts.last_will = Some((topics.up(&cfg.id), will.encode()));
     let link = MqttLink::connect(&cfg.broker, &opts)?;
     link.subscribe(&topics.down())?;

@@ -64,9 +64,23 @@ pub struct RoundDeclined {
 }
 
 impl DeviceBye {
+    /// The reason of the goodbye a device registers as its MQTT last will: the broker sent
+    /// it, so the device may still be running and come back.
+    pub const CONNECTION_LOST: &'static str = "connection lost";
+
     /// A goodbye whose reason fits the wire (see [`fit_reason`]).
     pub fn new(device: impl Into<String>, reason: &str) -> Self {
         Self { device: device.into(), reason: fit_reason(reason) }
+    }
+
+    /// The goodbye a device registers as its last will.
+    pub fn last_will(device: impl Into<String>) -> Self {
+        Self::new(device, Self::CONNECTION_LOST)
+    }
+
+    /// Whether the device said this itself, rather than the broker on its behalf.
+    pub fn is_deliberate(&self) -> bool {
+        self.reason != Self::CONNECTION_LOST
     }
 }
 

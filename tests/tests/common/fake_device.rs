@@ -37,7 +37,7 @@ impl FakeDevice {
     pub fn join(url: &BrokerUrl, job: &str, id: &str) -> Self {
         let topics = Topics::new(job).unwrap();
         let mut opts = LinkOptions::new(format!("fake-{id}"));
-        let will = Message::Bye(DeviceBye { device: id.into(), reason: "connection lost".into() });
+        let will = Message::Bye(DeviceBye::last_will(id));
         opts.last_will = Some((topics.up(id), will.encode()));
         let link = MqttLink::connect(url, &opts).unwrap();
         link.subscribe(&topics.down()).unwrap();
