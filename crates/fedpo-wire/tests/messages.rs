@@ -385,3 +385,15 @@ fn a_goodbye_or_decline_with_a_long_reason_is_cut_to_what_receivers_accept() {
     let short = DeviceBye::new("pi-4", "done");
     assert_eq!(short.reason, "done", "a reason that fits is kept whole");
 }
+
+#[test]
+fn a_last_will_survives_the_wire_as_not_deliberate_and_a_devices_own_goodbye_as_deliberate() {
+    let limits = Limits::default();
+    let decoded = |bye: DeviceBye| match Message::decode(&Message::Bye(bye).encode(), &limits).expect("decodes") {
+        Message::Bye(b) => b,
+        other => panic!("{other:?}"),
+    };
+    assert!(!decoded(DeviceBye::last_will("pi-4")).is_deliberate());
+    assert!(decoded(DeviceBye::new("pi-4", "round 1: --max-memory 40 MiB cannot hold this training")).is_deliberate());
+    assert!(decoded(DeviceBye::new("pi-4", "done")).is_deliberate());
+}
