@@ -224,6 +224,25 @@ impl Block {
     }
 }
 
+/// Which pass of a step's backward [`Gpt2::backward_pass`] runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BackwardPass {
+    /// The step's first pass: buffers left by an earlier step are dropped.
+    pub first: bool,
+    /// The step's last pass: the buffered gradients join the returned store.
+    pub last: bool,
+}
+
+impl BackwardPass {
+    /// A step in one pass.
+    pub const WHOLE: Self = Self { first: true, last: true };
+
+    /// Pass `index` of `passes`.
+    pub fn of(index: usize, passes: usize) -> Self {
+        Self { first: index == 0, last: index + 1 >= passes }
+    }
+}
+
 /// The GPT-2 language model with a head tied to the token embedding.
 #[derive(Debug, Clone)]
 pub struct Gpt2 {
@@ -369,11 +388,32 @@ impl Gpt2 {
     /// tensor. Use this rather than `loss.backward()`: the tied embedding's gradient is
     /// collected outside candle's store (see [`ops::TiedGradient`]) and added here.
     pub fn backward(&self, loss: &Tensor) -> Result<GradStore> {
-        self.tied.clear();
-        self.block_grads.clear();
+        self.backward_pass(loss, BackwardPass::WHOLE)
+    }
+
+    /// One backward pass of a step whose batch is split into several. The gradients this
+    /// model collects outside candle's store (the tied embedding's and the fused blocks')
+    /// stay in their buffers from the first pass to the last, each pass adding into them, and
+    /// come out in the last pass's store: summed over the passes, held once. What reaches
+    /// candle's own store is returned by every pass, for the caller to sum.
+    pub fn backward_pass(&self, loss: &Tensor, pass: BackwardPass) -> Result<GradStore> {
+        if pass.first {
+            // also drops what a pass that failed halfway left behind
+            self.tied.clear();
+            self.block_grads.clear();
+        }
         let mut grads = loss.backward()?;
-        self.tied.collect(&self.wte, &mut grads)?;
-        self.block_grads.collect(&mut grads)?;
+        // The embedding's buffer is carried only where the head adds into it as well (it
+        // runs in the embedding's dtype). Under mixed precision the head's part reaches
+        // candle's store, the caller sums it over the passes, and a carried buffer beside
+        // that sum would be a second embedding-sized one.
+        let head_adds_into_buffer = self.compute == self.wte.dtype();
+        if pass.last || !head_adds_into_buffer {
+            self.tied.collect(&self.wte, &mut grads)?;
+        }
+        if pass.last {
+            self.block_grads.collect(&mut grads)?;
+        }
         Ok(grads)
     }
 

@@ -23,7 +23,7 @@ mod weights;
 pub use config::{Gpt2Config, GPT2_VOCAB_SIZE};
 pub use error::{ModelError, Result};
 pub use exchange::SharedTensor;
-pub use gpt2::Gpt2;
+pub use gpt2::{BackwardPass, Gpt2};
 pub use lora::{LoraConfig, LoraTargets, LORA_MODULES};
 pub use params::{Param, ParamKind, ParamRole, ParamStore, Partition, PartitionPreset};
 pub use policy::{Policy, PolicySpec};

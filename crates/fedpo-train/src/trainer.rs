@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use candle_core::{Tensor, Var};
 use fedpo_data::{collate, TokenizedPair};
-use fedpo_model::Policy;
+use fedpo_model::{BackwardPass, Policy};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
@@ -191,7 +191,8 @@ impl LocalTrainer {
         let (dtype, device) = (policy.model_dtype(), policy.model_device());
         let mut grads: HashMap<String, Tensor> = HashMap::new();
         let mut totals = Totals::default();
-        for chunk in indices.chunks(self.settings.micro_batch_pairs) {
+        let passes = indices.len().div_ceil(self.settings.micro_batch_pairs);
+        for (pass, chunk) in indices.chunks(self.settings.micro_batch_pairs).enumerate() {
             let pairs: Vec<TokenizedPair> = chunk.iter().map(|&i| data.pairs[i].clone()).collect();
             let refs: (Vec<f64>, Vec<f64>) =
                 chunk.iter().map(|&i| (data.reference.chosen[i], data.reference.rejected[i])).unzip();
@@ -206,7 +207,10 @@ impl LocalTrainer {
             let scale = 1.0 / indices.len() as f64;
             let coeffs: Vec<f64> = out.grad_chosen.iter().chain(&out.grad_rejected).map(|g| g * scale).collect();
             let coeffs = Tensor::from_vec(coeffs, logps.dims(), &device)?.to_dtype(dtype)?;
-            let store = policy.model.backward(&(logps * coeffs)?.sum_all()?)?;
+            // The model sums the gradients it buffers itself (the embedding's and the
+            // blocks') over the passes; the rest is summed here.
+            let surrogate = (logps * coeffs)?.sum_all()?;
+            let store = policy.model.backward_pass(&surrogate, BackwardPass::of(pass, passes))?;
             for (name, var) in &trainable {
                 if let Some(g) = store.get(var.as_tensor()) {
                     let acc = match grads.remove(*name) {

@@ -117,11 +117,13 @@ impl BlockWeights {
     }
 }
 
-/// Where the blocks' parameter gradients collect during one backward pass.
+/// Where the blocks' parameter gradients collect during backward: each parameter with
+/// its values. A step whose batch runs in several passes keeps them here between passes,
+/// and each block's backward adds into them ([`ParamGrads`]).
 ///
 /// A copy of the model gets a collector of its own, as with [`super::TiedGradient`].
 #[derive(Debug, Default)]
-pub struct BlockGradients(Arc<Mutex<Vec<(Tensor, Tensor)>>>);
+pub struct BlockGradients(Arc<Mutex<Vec<(Tensor, CpuStorage)>>>);
 
 impl Clone for BlockGradients {
     fn clone(&self) -> Self {
@@ -130,7 +132,8 @@ impl Clone for BlockGradients {
 }
 
 impl BlockGradients {
-    /// Drops anything a failed pass left behind; call before backward.
+    /// Drops what earlier passes (or a failed one) left; call before a step's first
+    /// backward pass.
     pub fn clear(&self) {
         self.0.lock().unwrap_or_else(PoisonError::into_inner).clear();
     }
@@ -138,7 +141,12 @@ impl BlockGradients {
     /// Moves the collected gradients into `grads`, adding to any the parameter already has.
     pub fn collect(&self, grads: &mut GradStore) -> CResult<()> {
         let collected = std::mem::take(&mut *self.0.lock().unwrap_or_else(PoisonError::into_inner));
-        for (param, grad) in collected {
+        for (param, values) in collected {
+            let grad = match values {
+                CpuStorage::F32(v) => Tensor::from_vec(v, param.shape(), param.device())?,
+                CpuStorage::F64(v) => Tensor::from_vec(v, param.shape(), param.device())?,
+                other => candle_core::bail!("fused-block: a gradient in {:?}", other.dtype()),
+            };
             let total = match grads.remove(&param) {
                 Some(other) => (other + grad)?,
                 None => grad,
@@ -156,6 +164,7 @@ trait BlockFloat: FastExp + layer_norm::LayerNormFloat {
     fn wrap(acts: Activations<Self>) -> Saved;
     fn unwrap(saved: &Saved) -> Option<&Activations<Self>>;
     fn storage(values: Vec<Self>) -> CpuStorage;
+    fn values(storage: CpuStorage) -> Option<Vec<Self>>;
 }
 
 impl BlockFloat for f32 {
@@ -177,6 +186,12 @@ impl BlockFloat for f32 {
     fn storage(values: Vec<Self>) -> CpuStorage {
         CpuStorage::F32(values)
     }
+    fn values(storage: CpuStorage) -> Option<Vec<Self>> {
+        match storage {
+            CpuStorage::F32(v) => Some(v),
+            _ => None,
+        }
+    }
 }
 
 impl BlockFloat for f64 {
@@ -197,6 +212,12 @@ impl BlockFloat for f64 {
     }
     fn storage(values: Vec<Self>) -> CpuStorage {
         CpuStorage::F64(values)
+    }
+    fn values(storage: CpuStorage) -> Option<Vec<Self>> {
+        match storage {
+            CpuStorage::F64(v) => Some(v),
+            _ => None,
+        }
     }
 }
 
@@ -290,7 +311,7 @@ struct FusedBlock {
     seq_len: usize,
     forks: Forks,
     saved: Mutex<Option<Saved>>,
-    grads: Arc<Mutex<Vec<(Tensor, Tensor)>>>,
+    grads: Arc<Mutex<Vec<(Tensor, CpuStorage)>>>,
 }
 
 impl FusedBlock {
@@ -324,7 +345,8 @@ impl FusedBlock {
         wants: &[Wants; 4],
         ln_wants: [bool; 2],
         want_dx: bool,
-    ) -> CResult<(Option<Vec<T>>, ParamGrads<T>)> {
+        grads: &mut ParamGrads<T>,
+    ) -> CResult<Option<Vec<T>>> {
         let w = &self.weights;
         let view = View::new(w, slices)?;
         let saved = self.saved.lock().unwrap_or_else(PoisonError::into_inner);
@@ -334,36 +356,37 @@ impl FusedBlock {
         let [c_attn, attn_proj, c_fc, mlp_proj] = &view.projections;
         let rows = acts.x1.len() / c_attn.fan_in;
         let dims = Dims::of_rows(rows, 3 * c_attn.fan_in, self.seq_len, w.n_head, "fused-block")?;
-        let mut grads = Vec::new();
         // y = x1 + gelu(h2 W_fc) W_proj: the residual passes dy through unchanged.
-        let dgelu = projection_backward(mlp_proj, &acts.adapters[3], &acts.gelu, dy, rows, wants[3], &mut grads)?;
+        let dgelu = projection_backward(mlp_proj, &acts.adapters[3], &acts.gelu, dy, rows, wants[3], grads)?;
         let dpre = T::gelu_backward(&acts.pre_gelu, &dgelu);
         drop(dgelu);
-        let dh2 = projection_backward(c_fc, &acts.adapters[2], &acts.h2, &dpre, rows, wants[2], &mut grads)?;
+        let dh2 = projection_backward(c_fc, &acts.adapters[2], &acts.h2, &dpre, rows, wants[2], grads)?;
         drop(dpre);
         let mut dx1 = fresh::par_copy(dy);
         let (dw2, db2) = layer_norm_backward(&mut dx1, &acts.x1, view.ln_2, &dh2, w.eps);
         if ln_wants[1] {
-            grads.extend([(2, dw2), (3, db2)]);
+            grads.add(2, dw2)?;
+            grads.add(3, db2)?;
         }
         drop(dh2);
         // x1 = x + attention(h1 W_attn) W_proj
-        let datt = projection_backward(attn_proj, &acts.adapters[1], &acts.att, &dx1, rows, wants[1], &mut grads)?;
+        let datt = projection_backward(attn_proj, &acts.adapters[1], &acts.att, &dx1, rows, wants[1], grads)?;
         let dqkv = attention::backward_cpu(&acts.qkv, &datt, dims, &self.forks);
         drop(datt);
         // below c_attn only ln_1 and the block's input can want a gradient
         let c_attn_wants = Wants { input: want_dx || ln_wants[0], ..wants[0] };
-        let dh1 = projection_backward(c_attn, &acts.adapters[0], &acts.h1, &dqkv, rows, c_attn_wants, &mut grads)?;
+        let dh1 = projection_backward(c_attn, &acts.adapters[0], &acts.h1, &dqkv, rows, c_attn_wants, grads)?;
         drop(dqkv);
         if !c_attn_wants.input {
-            return Ok((None, grads));
+            return Ok(None);
         }
         let mut dx = dx1;
         let (dw1, db1) = layer_norm_backward(&mut dx, x, view.ln_1, &dh1, w.eps);
         if ln_wants[0] {
-            grads.extend([(0, dw1), (1, db1)]);
+            grads.add(0, dw1)?;
+            grads.add(1, db1)?;
         }
-        Ok((want_dx.then_some(dx), grads))
+        Ok(want_dx.then_some(dx))
     }
 
     /// Gradient indices per projection, and whether each layer norm trains.
@@ -397,15 +420,30 @@ impl FusedBlock {
         let (xs, xl) = x.storage_and_layout();
         let (gs, gl) = grad.storage_and_layout();
         let (wants, ln_wants) = self.wants();
-        let (dx, grads) =
-            self.backward::<T>(slice_of(&xs, xl)?, slice_of(&gs, gl)?, &slices, &wants, ln_wants, x.track_op())?;
+        // What earlier passes of the step left for these tensors, taken out while this
+        // pass adds into it.
+        let carried: Vec<Option<Vec<T>>> = {
+            let mut pending = self.grads.lock().unwrap_or_else(PoisonError::into_inner);
+            tensors
+                .iter()
+                .map(|t| {
+                    let at = pending.iter().position(|(param, _)| param.id() == t.id())?;
+                    T::values(pending.swap_remove(at).1)
+                })
+                .collect()
+        };
+        let mut grads = ParamGrads::new(carried);
+        let dx = self.backward::<T>(
+            slice_of(&xs, xl)?,
+            slice_of(&gs, gl)?,
+            &slices,
+            &wants,
+            ln_wants,
+            x.track_op(),
+            &mut grads,
+        )?;
         drop(guards);
-        let mut collected = Vec::with_capacity(grads.len());
-        for (i, values) in grads {
-            let param = tensors[i];
-            let shape = param.shape().clone();
-            collected.push((param.clone(), Tensor::from_vec(values, shape, param.device())?));
-        }
+        let collected = grads.into_gradients().into_iter().map(|(i, values)| (tensors[i].clone(), T::storage(values)));
         self.grads.lock().unwrap_or_else(PoisonError::into_inner).extend(collected);
         dx.map(|dx| Tensor::from_vec(dx, x.shape().clone(), x.device())).transpose()
     }
