@@ -141,7 +141,9 @@ impl SimulateArgs {
                     .arg(devices_dir.join(&id))
                     .args(trusted_key.iter().flat_map(|k| ["--trust-key", k.as_str()]))
                     .args(self.device_max_memory.iter().flat_map(|mb| ["--max-memory".to_string(), mb.to_string()]))
-                    .args(self.micro_batch_pairs.iter().flat_map(|n| ["--micro-batch-pairs".to_string(), n.to_string()]))
+                    .args(
+                        self.micro_batch_pairs.iter().flat_map(|n| ["--micro-batch-pairs".to_string(), n.to_string()]),
+                    )
                     .stdout(Stdio::null())
                     .stderr(log);
                 if let Some(p) = &url.password {

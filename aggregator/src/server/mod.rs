@@ -228,7 +228,8 @@ impl Server {
             reasons.entry(reason.as_str()).or_default().push(device.as_str());
         }
         let said = reasons.iter().map(|(reason, devices)| format!("{}: {reason}", devices.join(", ")));
-        Some(anyhow::anyhow!("all {fleet} devices left the job. {}", said.collect::<Vec<_>>().join("; ")))
+        let who = if fleet == 1 { "the only device".to_string() } else { format!("all {fleet} devices") };
+        Some(anyhow::anyhow!("{who} left the job. {}", said.collect::<Vec<_>>().join("; ")))
     }
 
     pub(crate) fn global(&self) -> &GlobalModel {

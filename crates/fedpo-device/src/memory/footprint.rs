@@ -8,7 +8,8 @@
 //!   `fedpo-device bench` over 64 configurations (tiny and DistilGPT-2, 1–8 pairs, 32 + 32
 //!   to 128 + 128 and 32 + 160 tokens, base trainable and frozen): every one lies within
 //!   −10 % … +13 % of the fit. What real training holds beyond the benchmark's step was
-//!   measured on it: the gradient accumulation buffer when a batch takes several passes,
+//!   measured on it: what a batch split into passes holds beyond one pass (about 0.45
+//!   trainable copies, since the passes add into the model's own gradient buffers),
 //!   AdamW's moments, and in a federated round whose embedding trains about 1.25
 //!   embedding tables more than local training holds (not yet traced to one buffer).
 //!   `scripts/measure_footprint.sh` makes every measurement, and the test
@@ -69,8 +70,9 @@ struct Coefficients {
     params: f64,
     /// Per trainable parameter: its gradient.
     gradients: f64,
-    /// Per trainable parameter, when a batch takes several passes: the sum of their
-    /// gradients.
+    /// Per trainable parameter, when a batch takes several passes: what the passes hold
+    /// beyond one pass's gradients (the trainer's sums of the gradients outside the model's
+    /// buffers, and transients of the adding).
     accumulation: f64,
     /// Per token row, layer and model dimension: activations kept for backward.
     activations: f64,
@@ -98,7 +100,7 @@ const FUSED: Coefficients = Coefficients {
     runtime_mib: 16.0,
     params: 1.05,
     gradients: 0.95,
-    accumulation: 1.45,
+    accumulation: 0.45,
     activations: 15.9,
     attention: 0.0,
     logits: 1.02,

@@ -283,11 +283,20 @@ mod tests {
     }
 
     #[test]
-    fn short_pairs_are_not_split_where_the_accumulation_buffer_costs_more_than_it_saves() {
-        // The synthetic personas' longest pair: 71 tokens, 55 of them response.
+    fn the_synthetic_pairs_split_under_a_budget_one_pass_exceeds() {
+        // The synthetic personas' longest pair: 71 tokens, 55 of them response. Passes of
+        // one pair measured 1100 MiB in a round against 1337 for one pass of eight.
         let request = PlanRequest { seq_len: 71, response_len: 55, ..distilgpt2_request() };
         let whole = request.estimate(8, false, 71).peak_mib();
-        assert!(request.estimate(1, false, 71).peak_mib() > whole);
+        let p = plan(&request, (whole - 1.0) as u64).unwrap();
+        assert!(p.micro_batch_pairs < 8 && p.estimate_mib < whole, "{p}");
+    }
+
+    #[test]
+    fn very_short_pairs_are_not_split_where_the_accumulation_buffer_costs_more_than_it_saves() {
+        let request = PlanRequest { seq_len: 8, response_len: 4, ..distilgpt2_request() };
+        let whole = request.estimate(8, false, 8).peak_mib();
+        assert!(request.estimate(1, false, 8).peak_mib() > whole);
         let err = plan(&request, (whole - 1.0) as u64).unwrap_err().to_string();
         assert!(err.contains("(8 pairs per pass) needs about"), "{err}");
     }
@@ -298,9 +307,10 @@ mod tests {
         let p = plan(&request, 64 * 1024).unwrap();
         assert_eq!(p.micro_batch_pairs, 2);
         let uncapped = distilgpt2_request();
-        // Two passes of two pairs hold the accumulation buffer that one pass of eight does not.
+        // Passes of two pairs hold more than one pass of eight beside the model's own
+        // gradient buffers, which the passes add into (about 0.45 trainable copies, measured).
         let params = |r: &PlanRequest, m| r.estimate(m, false, 128).parameters_mib;
-        assert!(params(&request, 2) > params(&uncapped, 8) + 300.0);
+        assert!(params(&request, 2) > params(&uncapped, 8) + 100.0);
     }
 
     #[test]
