@@ -209,7 +209,6 @@ impl Server {
         })
     }
 
-    /// The current global model (for tests and the simulation's report).
     /// Declares the fleet closed: `devices` devices, none joining later and none returning
     /// after a goodbye of its own (a simulation's). When all of them have left, the job
     /// fails with their reasons instead of waiting for devices that will not come.
@@ -232,6 +231,7 @@ impl Server {
         Some(anyhow::anyhow!("{who} left the job. {}", said.collect::<Vec<_>>().join("; ")))
     }
 
+    /// The current global model (for tests and the simulation's report).
     pub(crate) fn global(&self) -> &GlobalModel {
         &self.global
     }

@@ -21,12 +21,13 @@ use std::sync::{Arc, Mutex, PoisonError};
 use candle_core::backend::BackendStorage;
 use candle_core::backprop::GradStore;
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Storage, Tensor, WithDType};
-use rayon::prelude::*;
 
 use super::attention::{self, Dims};
 use super::fast_math::FastExp;
 use super::fork::Forks;
-use super::projection::{projection_backward, projection_forward, AdapterActs, ParamGrads, ProjectionView, Wants};
+use super::projection::{
+    add_into, projection_backward, projection_forward, AdapterActs, ParamGrads, ProjectionView, Wants,
+};
 use super::{fresh, gelu, layer_norm, CResult};
 
 /// A low-rank adapter `scale * x A^T B^T`, `a: [r, in]`, `b: [out, r]`.
@@ -281,14 +282,6 @@ impl<'a, T: WithDType> View<'a, T> {
             [take(&weights.c_attn)?, take(&weights.attn_proj)?, take(&weights.c_fc)?, take(&weights.mlp_proj)?];
         Ok(Self { ln_1: (slices[0], slices[1]), ln_2: (slices[2], slices[3]), projections })
     }
-}
-
-fn add_into<T: WithDType>(acc: &mut [T], other: &[T]) {
-    acc.par_chunks_mut(16_384).zip(other.par_chunks(16_384)).for_each(|(a, o)| {
-        for (a, &o) in a.iter_mut().zip(o) {
-            *a += o;
-        }
-    });
 }
 
 /// The layer norm's input gradient added into `acc`, and its weight and bias gradients.

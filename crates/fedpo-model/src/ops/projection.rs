@@ -3,6 +3,7 @@
 //! trains) or run beside it at rank `r` (the base is frozen).
 
 use candle_core::WithDType;
+use rayon::prelude::*;
 
 use super::dense::{mm_accumulate, mm_new, Strided};
 use super::fresh::par_filled;
@@ -37,7 +38,7 @@ impl<T: WithDType> ParamGrads<T> {
                 if acc.len() != values.len() {
                     candle_core::bail!("tensor {i}: a carried gradient of {} values for {}", acc.len(), values.len());
                 }
-                acc.iter_mut().zip(&values).for_each(|(a, &v)| *a += v);
+                add_into(&mut acc, &values);
                 acc
             }
             None => values,
@@ -77,6 +78,15 @@ impl<T: WithDType> ParamGrads<T> {
         all.extend(self.carried.into_iter().enumerate().filter_map(|(i, g)| g.map(|g| (i, g))));
         all
     }
+}
+
+/// `acc += other`, element by element, in parallel chunks.
+pub(super) fn add_into<T: WithDType>(acc: &mut [T], other: &[T]) {
+    acc.par_chunks_mut(16_384).zip(other.par_chunks(16_384)).for_each(|(a, o)| {
+        for (a, &o) in a.iter_mut().zip(o) {
+            *a += o;
+        }
+    });
 }
 
 /// What an adapted projection keeps for backward.
