@@ -103,6 +103,76 @@ impl InplaceOp2 for SgdStep {
     }
 }
 
+/// `theta -= step * g`, summing `g^2` on the way: an unclipped SGD step's update and its
+/// gradient norm in one read of the gradient instead of two (on DistilGPT-2 the separate
+/// norm pass re-read 328 MB, about 1 % of a step). Each chunk is updated, then its squares
+/// summed while it is still in cache, with the same chunks and lanes as
+/// [`cpu_sum_of_squares`], so the sum has that function's bits.
+pub(crate) struct SgdStepSummingSquares {
+    pub(crate) step: f64,
+    /// The gradient's `sum(g^2)`, set by the op.
+    pub(crate) sum_of_squares: std::sync::Mutex<f64>,
+}
+
+impl SgdStepSummingSquares {
+    pub(crate) fn new(step: f64) -> Self {
+        Self { step, sum_of_squares: std::sync::Mutex::new(0.0) }
+    }
+
+    /// The sum the op left.
+    pub(crate) fn take_sum(self) -> f64 {
+        self.sum_of_squares.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+fn sgd_step_f64(theta: &mut [f64], g: &[f64], step: f64) {
+    for (t, &g) in theta.iter_mut().zip(g) {
+        *t -= step * g;
+    }
+}
+
+/// [`SgdStepSummingSquares`] over one storage pair: the chunks in parallel, their sums
+/// added in order.
+fn sgd_step_summing<T: Copy + Send + Sync>(
+    theta: &mut [T],
+    g: &[T],
+    step: f64,
+    update: impl Fn(&mut [T], &[T], f64) + Sync + Send,
+    chunk_sum: impl Fn(&[T]) -> f64 + Sync + Send,
+) -> CResult<f64> {
+    use rayon::prelude::*;
+    same_length("sgd-step", g.len(), theta.len())?;
+    let partial: Vec<f64> = theta
+        .par_chunks_mut(CHUNK)
+        .zip(g.par_chunks(CHUNK))
+        .map(|(t, g)| {
+            update(t, g, step);
+            chunk_sum(g)
+        })
+        .collect();
+    Ok(partial.iter().sum())
+}
+
+impl InplaceOp2 for SgdStepSummingSquares {
+    fn name(&self) -> &'static str {
+        "sgd-step-summing-squares"
+    }
+    fn cpu_fwd(&self, s1: &mut CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> CResult<()> {
+        let ((t0, t1), (g0, g1)) = (range(l1, self.name())?, range(l2, self.name())?);
+        let sum = match (&mut *s1, s2) {
+            (CpuStorage::F32(theta), CpuStorage::F32(g)) => {
+                sgd_step_summing(&mut theta[t0..t1], &g[g0..g1], self.step, sgd_step_f32, sum_of_squares_f32)?
+            }
+            (CpuStorage::F64(theta), CpuStorage::F64(g)) => {
+                sgd_step_summing(&mut theta[t0..t1], &g[g0..g1], self.step, sgd_step_f64, sum_of_squares_f64)?
+            }
+            (theta, g) => bail!("{}: unsupported dtypes {:?} and {:?}", self.name(), theta.dtype(), g.dtype()),
+        };
+        *self.sum_of_squares.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = sum;
+        Ok(())
+    }
+}
+
 /// `acc += g`: gradient accumulation over micro-batches without a new buffer each time.
 pub(crate) struct AddAssign;
 

@@ -13,7 +13,7 @@ use fedpo_model::io::{read_safetensors, write_safetensors};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, TrainError};
-use crate::inplace::{cpu_sum_of_squares, AdamApply, MomentUpdate, SgdStep};
+use crate::inplace::{cpu_sum_of_squares, AdamApply, MomentUpdate, SgdStep, SgdStepSummingSquares};
 
 /// The update rule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -126,7 +126,30 @@ impl Optimizer {
 
     /// Applies one update. `grads` maps parameter names to gradients; parameters without a
     /// gradient are left alone. Returns the global gradient norm before clipping.
+    ///
+    /// A non-finite gradient norm is an error. With clipping or AdamW it is found before any
+    /// parameter changes; an unclipped SGD step on the CPU finds it while updating (one pass
+    /// over the gradients instead of two), so after that error the parameters hold the
+    /// non-finite update and are to be discarded, as a device discards a failed round.
     pub fn step(&mut self, params: &[(&str, &Var)], grads: &HashMap<String, Tensor>) -> Result<f64> {
+        let with_grads = || params.iter().filter_map(|(n, v)| grads.get(*n).map(|g| (v.as_tensor(), g)));
+        let one_pass = self.cfg.kind == OptimKind::Sgd
+            && self.cfg.max_grad_norm.is_none()
+            && with_grads().all(|(theta, g)| in_place_ok(theta, g));
+        if one_pass {
+            let mut sum_of_squares = 0.0;
+            for (theta, g) in with_grads() {
+                let op = SgdStepSummingSquares::new(self.cfg.lr);
+                theta.inplace_op2(g, &op)?;
+                sum_of_squares += op.take_sum();
+            }
+            let norm = sum_of_squares.sqrt();
+            if !norm.is_finite() {
+                return Err(TrainError::NonFinite { what: "gradient norm", step: self.step });
+            }
+            self.step += 1;
+            return Ok(norm);
+        }
         let norm = global_norm(params.iter().filter_map(|(n, _)| grads.get(*n)))?;
         if !norm.is_finite() {
             return Err(TrainError::NonFinite { what: "gradient norm", step: self.step });
@@ -312,10 +335,50 @@ mod tests {
     }
 
     #[test]
+    fn unclipped_sgd_in_one_pass_gives_the_two_pass_parameters_and_norm_bit_for_bit() {
+        // f32 over several of the kernels' chunks and a tail, f64 small, one parameter
+        // without a gradient, and a non-contiguous gradient (which takes the two passes)
+        let big = 3 * 64 * 1024 + 333;
+        let values = |n: usize, seed: usize| -> Vec<f32> {
+            (0..n).map(|i| (((i * 7919 + seed * 31) % 2003) as f32 - 1001.0) / 211.0).collect()
+        };
+        let run = |max_grad_norm: Option<f64>, transposed: bool| -> (Vec<Vec<f32>>, Vec<f64>, f64) {
+            let a = Var::from_slice(&values(big, 1), big, &Device::Cpu).unwrap();
+            let b = Var::new(&[[0.5f64, -1.5], [2.0, 0.25]], &Device::Cpu).unwrap();
+            let untouched = Var::new(&[7.0f32], &Device::Cpu).unwrap();
+            let mut cfg = OptimConfig::new(OptimKind::Sgd, 0.003);
+            cfg.max_grad_norm = max_grad_norm;
+            let mut opt = Optimizer::new(cfg).unwrap();
+            let mut norm = 0.0;
+            for step in 0..3 {
+                let ga = Tensor::from_slice(&values(big, step + 2), big, &Device::Cpu).unwrap();
+                let gb = (b.as_tensor() * (step as f64 + 0.5)).unwrap();
+                let gb = if transposed { gb.t().unwrap().contiguous().unwrap().t().unwrap() } else { gb };
+                let grads = HashMap::from([("a".to_string(), ga), ("b".to_string(), gb)]);
+                norm = opt.step(&[("a", &a), ("b", &b), ("u", &untouched)], &grads).unwrap();
+            }
+            let b = b.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
+            (vec![a.as_tensor().to_vec1().unwrap(), untouched.as_tensor().to_vec1().unwrap()], b, norm)
+        };
+        // a threshold no norm reaches: the clipping path, with a factor of exactly one
+        let two_pass = run(Some(1e30), false);
+        assert_eq!(run(None, false), two_pass);
+        assert_eq!(run(None, true), two_pass);
+        assert_eq!(two_pass.0[1], vec![7.0], "a parameter without a gradient stays");
+        assert!(two_pass.2 > 0.0);
+    }
+
+    #[test]
     fn non_finite_gradient_is_an_error_not_a_silent_nan() {
         let x = Var::new(&[0.0f64], &Device::Cpu).unwrap();
         let grads = HashMap::from([("x".to_string(), Tensor::new(&[f64::NAN], &Device::Cpu).unwrap())]);
-        let err = Optimizer::new(OptimConfig::new(OptimKind::Sgd, 0.1)).unwrap().step(&[("x", &x)], &grads);
-        assert!(matches!(err, Err(TrainError::NonFinite { .. })));
+        for max_grad_norm in [None, Some(1.0)] {
+            let mut cfg = OptimConfig::new(OptimKind::Sgd, 0.1);
+            cfg.max_grad_norm = max_grad_norm;
+            let mut opt = Optimizer::new(cfg).unwrap();
+            let err = opt.step(&[("x", &x)], &grads);
+            assert!(matches!(err, Err(TrainError::NonFinite { .. })), "clipping {max_grad_norm:?}");
+            assert_eq!(opt.steps_taken(), 0, "a failed step is not counted");
+        }
     }
 }
