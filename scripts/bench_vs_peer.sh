@@ -6,9 +6,14 @@
 # Needs the peer's Python environment (see ../shared/bench/README.md):
 #   python3 -m venv /tmp/peer-venv && /tmp/peer-venv/bin/pip install torch transformers peft safetensors
 # Environment: PEER_PY (default /tmp/peer-venv/bin/python), PEER_SCRIPT (default
-# ../shared/bench/dpo_step_bench.py), STEPS (default 8), SHAPES ("tiny distilgpt2").
+# ../shared/bench/dpo_step_bench.py), STEPS (default 8), SHAPES ("tiny distilgpt2"),
+# REPEATS (default 1).
 # The two programs alternate per configuration so background load hits both alike; the
-# peer runs with the tuned glibc allocator settings, i.e. at its best.
+# peer runs with the tuned glibc allocator settings, i.e. at its best. With REPEATS=n each
+# program runs n times per configuration, the order swapped every repeat, and the tables
+# take each program's run with the lowest median: on a shared host a burst of someone
+# else's load can slow one 30-second run by a quarter, and the same rule for both keeps
+# the comparison fair. Every run's median is printed first.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 out="${1:-$root/runs/bench}"
@@ -16,23 +21,45 @@ peer_py="${PEER_PY:-/tmp/peer-venv/bin/python}"
 peer_script="${PEER_SCRIPT:-$root/../shared/bench/dpo_step_bench.py}"
 steps="${STEPS:-8}"
 shapes="${SHAPES:-tiny distilgpt2}"
+repeats="${REPEATS:-1}"
 mkdir -p "$out"
 cargo build --release -p fedpo-device --manifest-path "$root/Cargo.toml" >&2
 fedpo="$root/target/release/fedpo-device"
 
-for shape in $shapes; do
-  for mode in trainable frozen; do
-    flags=(--pairs 4 --prompt-len 64 --resp-len 64 --steps "$steps")
-    [ "$shape" = tiny ] && flags+=(--tiny)
-    [ "$mode" = frozen ] && flags+=(--base-frozen)
-    echo "== $shape $mode: fedpo" >&2
-    "$fedpo" bench "${flags[@]}" --gemm > "$out/fedpo-$shape-$mode.json"
-    echo "== $shape $mode: peer" >&2
-    MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=17179869184 "$peer_py" "$peer_script" "${flags[@]}" --gemm > "$out/peer-$shape-$mode.json"
-    echo "== $shape $mode: peer --logits-to-keep" >&2
-    MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=17179869184 "$peer_py" "$peer_script" "${flags[@]}" --logits-to-keep > "$out/peer-keep-$shape-$mode.json"
+run_fedpo() { "$fedpo" bench "${flags[@]}" --gemm > "$out/fedpo-$shape-$mode-r$r.json"; }
+run_peer() {
+  MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=17179869184 "$peer_py" "$peer_script" "${flags[@]}" --gemm > "$out/peer-$shape-$mode-r$r.json"
+  MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=17179869184 "$peer_py" "$peer_script" "${flags[@]}" --logits-to-keep > "$out/peer-keep-$shape-$mode-r$r.json"
+}
+for r in $(seq 1 "$repeats"); do
+  for shape in $shapes; do
+    for mode in trainable frozen; do
+      flags=(--pairs 4 --prompt-len 64 --resp-len 64 --steps "$steps")
+      [ "$shape" = tiny ] && flags+=(--tiny)
+      [ "$mode" = frozen ] && flags+=(--base-frozen)
+      echo "== repeat $r: $shape $mode" >&2
+      if [ $((r % 2)) = 1 ]; then run_fedpo; run_peer; else run_peer; run_fedpo; fi
+    done
   done
 done
+
+python3 - "$out" "$shapes" "$repeats" <<'PY'
+import json, os, shutil, sys
+out, shapes, repeats = sys.argv[1], sys.argv[2].split(), int(sys.argv[3])
+print("Every run's median s/step (repeat 1, 2, ...); the tables below take each program's fastest:")
+print()
+for shape in shapes:
+    for mode in ("trainable", "frozen"):
+        cells = []
+        for prog in ("fedpo", "peer", "peer-keep"):
+            runs = [f"{out}/{prog}-{shape}-{mode}-r{r}.json" for r in range(1, repeats + 1)]
+            medians = [json.load(open(path))["seconds_per_step_median"] for path in runs]
+            best = min(range(repeats), key=lambda i: medians[i])
+            shutil.copyfile(runs[best], f"{out}/{prog}-{shape}-{mode}.json")
+            cells.append(f"{prog} " + " / ".join(f"{m:.3f}" for m in medians))
+        print(f"- {shape} {mode}: " + "; ".join(cells))
+print()
+PY
 
 python3 - "$out" "$shapes" <<'PY'
 import json, sys, os

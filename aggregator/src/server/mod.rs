@@ -4,7 +4,9 @@
 //! updates until every selected device has reported, every missing one has gone offline,
 //! or the deadline passes; fold each verified update into a streaming weighted sum,
 //! let the strategy apply it, checkpoint, log the metrics and announce the result.
-//! Taking updates in (checks, chunks, verification) lives in [`intake`].
+//! Who is in the job (hello, goodbye, waiting for devices) lives in [`membership`], taking
+//! updates in (checks, chunks, verification) in [`intake`], and closing a round (combining,
+//! checkpointing, announcing) in [`closing`].
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
@@ -22,7 +24,7 @@ use rand::SeedableRng;
 
 use crate::accumulator::WeightedSum;
 use crate::aggregation::RoundUpdates;
-use crate::checkpoint::{CheckpointDir, DeviceRecord, ServerState, STATE_FORMAT};
+use crate::checkpoint::{CheckpointDir, ServerState, STATE_FORMAT};
 use crate::client_term::ClientTerm;
 use crate::diagnostics::Diagnostics;
 use crate::global_model::GlobalModel;
@@ -31,11 +33,13 @@ use crate::metrics::{mean, MetricsLog, RoundRecord, Summary};
 use crate::privacy::RdpAccountant;
 use crate::strategy::Strategy;
 
+mod closing;
 mod identity;
 mod intake;
+mod membership;
 mod secure;
 
-use identity::{Claim, Identities};
+use identity::Identities;
 
 /// Resend the model to a device that asks again at most this often per round.
 const MAX_RESENDS: u32 = 3;
@@ -209,28 +213,6 @@ impl Server {
         })
     }
 
-    /// Declares the fleet closed: `devices` devices, none joining later and none returning
-    /// after a goodbye of its own (a simulation's). When all of them have left, the job
-    /// fails with their reasons instead of waiting for devices that will not come.
-    pub(crate) fn close_fleet(&mut self, devices: usize) {
-        self.closed_fleet = Some(devices);
-    }
-
-    /// The error to stop with when every device of a closed fleet has said goodbye.
-    fn fleet_gone(&self) -> Option<anyhow::Error> {
-        let fleet = self.closed_fleet?;
-        if fleet == 0 || self.farewells.len() < fleet {
-            return None;
-        }
-        let mut reasons: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
-        for (device, reason) in &self.farewells {
-            reasons.entry(reason.as_str()).or_default().push(device.as_str());
-        }
-        let said = reasons.iter().map(|(reason, devices)| format!("{}: {reason}", devices.join(", ")));
-        let who = if fleet == 1 { "the only device".to_string() } else { format!("all {fleet} devices") };
-        Some(anyhow::anyhow!("{who} left the job. {}", said.collect::<Vec<_>>().join("; ")))
-    }
-
     /// The current global model (for tests and the simulation's report).
     pub(crate) fn global(&self) -> &GlobalModel {
         &self.global
@@ -281,36 +263,6 @@ impl Server {
             Err(e) => tracing::warn!(error = %e, "could not write the plots"),
         }
         Ok(summary)
-    }
-
-    fn online(&self) -> Vec<String> {
-        self.state.devices.iter().filter(|(_, d)| d.online).map(|(id, _)| id.clone()).collect()
-    }
-
-    /// Waits until --min-devices are online (or, with none given, the devices known from a
-    /// checkpoint or at least one), up to --register-timeout.
-    fn wait_for_devices(&mut self) -> Result<()> {
-        let want = self.job.min_devices.unwrap_or(1).max(1);
-        let deadline = Instant::now() + Duration::from_secs(self.job.register_timeout);
-        let mut last_report = Instant::now();
-        while self.online().len() < want {
-            if let Some(gone) = self.fleet_gone() {
-                return Err(gone);
-            }
-            if Instant::now() > deadline {
-                bail!(
-                    "only {} of the {want} devices needed registered within --register-timeout {} s",
-                    self.online().len(),
-                    self.job.register_timeout
-                );
-            }
-            if last_report.elapsed() > Duration::from_secs(10) {
-                tracing::info!(online = self.online().len(), want, "waiting for devices");
-                last_report = Instant::now();
-            }
-            self.poll(Duration::from_millis(200), None)?;
-        }
-        Ok(())
     }
 
     fn select(&self, round: u64, evaluation: bool) -> Vec<String> {
@@ -459,106 +411,8 @@ impl Server {
         Ok(())
     }
 
-    fn close_round(&mut self, mut open: OpenRound, started: Instant) -> Result<RoundRecord> {
-        let participants: Vec<String> = open.reported.keys().cloned().collect();
-        let weight: f64 = open.reported.values().map(|(pairs, _)| *pairs as f64).sum::<f64>().max(1.0);
-        let weighted = |f: &dyn Fn(&UpdateMetrics) -> f64| {
-            open.reported.values().map(|(pairs, m)| *pairs as f64 * f(m)).sum::<f64>() / weight
-        };
-        let mut record = RoundRecord {
-            round: open.round,
-            method: self.job.method.name().into(),
-            evaluation: open.evaluation,
-            selected: open.selected.iter().cloned().collect(),
-            participants: participants.clone(),
-            train_loss: weighted(&|m| m.train_loss),
-            reward_acc: open.reported.iter().map(|(d, (_, m))| (d.clone(), m.reward_acc)).collect(),
-            heldout_acc: open.reported.iter().filter_map(|(d, (_, m))| Some((d.clone(), m.heldout_acc?))).collect(),
-            peak_rss_mib: open.reported.iter().filter_map(|(d, (_, m))| Some((d.clone(), m.peak_rss_mib?))).collect(),
-            train_seconds: open.reported.iter().map(|(d, (_, m))| (d.clone(), m.seconds)).collect(),
-            device_grad_norm: weighted(&|m| m.grad_norm),
-            diagnostics_bytes: open.diagnostics_bytes,
-            bytes_up: open.bytes_up,
-            bytes_up_by_device: open.bytes_up_by_device.clone(),
-            bytes_down: open.bytes_down,
-            rejected: open.rejected.clone(),
-            ..RoundRecord::default()
-        };
-        self.state.bytes_up += open.bytes_up;
-        self.state.bytes_down += open.bytes_down;
-        if !open.evaluation {
-            let secure_sum = open.secure_sum.take();
-            let updates = secure_sum.as_ref().map_or(open.updates.count(), WeightedSum::count);
-            record.clipped = open.updates.clipped();
-            let combined = if updates >= self.job.quorum {
-                let sum = match secure_sum {
-                    Some(sum) => Ok(sum),
-                    None => open.updates.finish(&self.global),
-                };
-                sum.map_err(|e| {
-                    tracing::warn!(updates, error = %e, "the round's updates cannot be combined; the global model is unchanged");
-                })
-            } else {
-                tracing::warn!(updates, quorum = self.job.quorum, "quorum not met; the global model is unchanged");
-                Err(())
-            };
-            let closing = Instant::now();
-            if let Ok(sum) = combined {
-                let local = self.job.lr * f64::from(self.job.local_steps.max(1));
-                record.grad_norm = sum.mean_norm() / local;
-                if let Some(report) = open.diagnostics.as_ref().map(Diagnostics::report) {
-                    record.grad_norm = report.grad_norm.unwrap_or(record.grad_norm);
-                    record.kappa2 = report.kappa2;
-                    record.layer_cos = report.layer_cos;
-                }
-                let previous = self.client_term.needs_previous_model().then(|| self.global.clone());
-                record.update_norm = self.strategy.aggregate(open.round, &mut self.global, &sum)?;
-                let registered = self.state.devices.len();
-                self.client_term.after_round(previous.as_ref(), &self.global, open.controls.as_ref(), registered);
-                if let Some(acc) = self.state.privacy.as_mut() {
-                    acc.add_round(open.selected.len() as f64 / open.population.max(1) as f64);
-                }
-                self.spent_sum = Some(sum);
-            }
-            self.state.round = open.round;
-            let aggregated = Instant::now();
-            let encoded = self.global.encode();
-            self.state.global_digest = hex::encode(encoded.digest());
-            self.encoded_global = Some(encoded);
-            let encoded_at = Instant::now();
-            self.state.strategy_state = self.strategy.state()?;
-            self.state.client_term_state = self.client_term.state()?;
-            self.checkpoints.save(&self.global, &self.state)?;
-            tracing::debug!(
-                aggregate_s = format_args!("{:.3}", (aggregated - closing).as_secs_f64()),
-                encode_s = format_args!("{:.3}", (encoded_at - aggregated).as_secs_f64()),
-                checkpoint_s = format_args!("{:.3}", encoded_at.elapsed().as_secs_f64()),
-                "round closed"
-            );
-        }
-        // Every record carries the privacy spent so far, evaluation rounds included.
-        if let Some(acc) = &self.state.privacy {
-            let (epsilon, order) = acc.epsilon(self.job.aggregation.dp_delta);
-            tracing::info!(epsilon, delta = self.job.aggregation.dp_delta, order, rounds = acc.rounds, "privacy spent");
-            record.dp_epsilon = Some(epsilon);
-            record.dp_delta = Some(self.job.aggregation.dp_delta);
-        }
-        record.seconds = started.elapsed().as_secs_f64();
-        self.metrics.append(&record)?;
-        print_round(&record, self.job.rounds);
-        let result = RoundResult {
-            round: open.round,
-            participants,
-            train_loss: record.train_loss,
-            global_digest: hex::decode(&self.state.global_digest).unwrap_or_default(),
-            finished: false,
-        };
-        self.link.publish(&self.topics.down(), Message::Result(result).encode())?;
-        Ok(record)
-    }
-
     /// Handles link events for up to `wait`.
-    fn poll(&mut self, wait: Duration, mut open: Option<&mut OpenRound>) -> Result<()> {
+    fn poll(&mut self, wait: Duration, open: Option<&mut OpenRound>) -> Result<()> {
         let Some(event) = self.link.recv_timeout(wait)? else { return Ok(()) };
         let delivery = match event {
             LinkEvent::Message(d) => d,
@@ -587,67 +441,8 @@ impl Server {
             }
         };
         match msg {
-            Message::Hello(h) => {
-                if h.device != device {
-                    tracing::warn!(topic_device = %device, claimed = %h.device, "hello names another device; ignored");
-                    return Ok(());
-                }
-                match self.identities.observe(&device, h.instance) {
-                    Claim::Conflicted => return Ok(()),
-                    Claim::Conflict(a, b) => {
-                        tracing::error!(
-                            %device,
-                            instances = format_args!("{a:016x} and {b:016x}"),
-                            "two devices claim this id; it is left out of the job (give each device its own --id)"
-                        );
-                        if let Some(d) = self.state.devices.get_mut(&device) {
-                            d.online = false;
-                        }
-                        if let Some(open) = open {
-                            open.transfers.remove(&device);
-                            if open.selected.contains(&device) && !open.reported.contains_key(&device) {
-                                open.rejected.insert(device.clone(), "two devices claim this id".into());
-                            }
-                        }
-                        return Ok(());
-                    }
-                    Claim::Restarted => tracing::info!(%device, "device restarted"),
-                    Claim::Known => {}
-                }
-                let previous = self.state.devices.get(&device);
-                let known = previous.is_some_and(|d| d.online);
-                // A new connection number: the device was cut off, and what was published
-                // to it meanwhile (the plan, chunks) may be lost.
-                let reconnected = previous.is_some_and(|d| d.connection != h.connection);
-                if !known {
-                    tracing::info!(%device, pairs = h.pairs, backend = %h.backend, "device registered");
-                }
-                self.farewells.remove(&device);
-                let record =
-                    DeviceRecord { pairs: h.pairs, backend: h.backend, online: true, connection: h.connection };
-                self.state.devices.insert(device.clone(), record);
-                if let Some(open) = open.as_deref_mut() {
-                    let waiting = open.selected.contains(&device) && !open.reported.contains_key(&device);
-                    let resends = open.resends.entry(device.clone()).or_default();
-                    let asked_again = reconnected || open.published_at.elapsed() > Duration::from_secs(5);
-                    if waiting && asked_again && *resends < MAX_RESENDS {
-                        *resends += 1;
-                        tracing::info!(%device, reconnected, "device asked again; resending the plan and model");
-                        self.publish_plan(open)?;
-                    }
-                }
-            }
-            Message::Bye(b) => {
-                if b.is_deliberate() {
-                    self.farewells.insert(device.clone(), b.reason.clone());
-                }
-                if let Some(d) = self.state.devices.get_mut(&device) {
-                    if d.online {
-                        tracing::warn!(%device, reason = %b.reason, "device offline");
-                    }
-                    d.online = false;
-                }
-            }
+            Message::Hello(h) => self.on_hello(device, h, open)?,
+            Message::Bye(b) => self.on_bye(device, &b),
             Message::Update(_) | Message::Chunk(_) | Message::SecAgg(_) | Message::Declined(_)
                 if self.identities.is_conflicted(&device) => {}
             Message::Declined(d) => match open {
@@ -683,20 +478,4 @@ impl Server {
         }
         Ok(())
     }
-}
-
-fn print_round(r: &RoundRecord, rounds: u64) {
-    let label = if r.evaluation { "final eval".to_string() } else { format!("round {:>3}/{rounds}", r.round) };
-    println!(
-        "{label}  devices {}/{}  loss {:.4}  train acc {:.3}  held-out acc {:.3}  |g| {:.4}  up {:.1} MB  down {:.1} MB  {:.1} s",
-        r.participants.len(),
-        r.selected.len(),
-        r.train_loss,
-        mean(&r.reward_acc),
-        mean(&r.heldout_acc),
-        r.grad_norm,
-        r.bytes_up as f64 / 1e6,
-        r.bytes_down as f64 / 1e6,
-        r.seconds
-    );
 }

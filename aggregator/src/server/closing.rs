@@ -1,0 +1,128 @@
+//! Closing a round: its record, combining the updates into the new global model,
+//! the checkpoint, and the result announced to the devices.
+
+use std::time::Instant;
+
+use anyhow::Result;
+use fedpo_wire::{Message, RoundResult, UpdateMetrics};
+
+use super::{OpenRound, Server};
+use crate::accumulator::WeightedSum;
+use crate::diagnostics::Diagnostics;
+use crate::metrics::{mean, RoundRecord};
+
+impl Server {
+    pub(super) fn close_round(&mut self, mut open: OpenRound, started: Instant) -> Result<RoundRecord> {
+        let participants: Vec<String> = open.reported.keys().cloned().collect();
+        let weight: f64 = open.reported.values().map(|(pairs, _)| *pairs as f64).sum::<f64>().max(1.0);
+        let weighted = |f: &dyn Fn(&UpdateMetrics) -> f64| {
+            open.reported.values().map(|(pairs, m)| *pairs as f64 * f(m)).sum::<f64>() / weight
+        };
+        let mut record = RoundRecord {
+            round: open.round,
+            method: self.job.method.name().into(),
+            evaluation: open.evaluation,
+            selected: open.selected.iter().cloned().collect(),
+            participants: participants.clone(),
+            train_loss: weighted(&|m| m.train_loss),
+            reward_acc: open.reported.iter().map(|(d, (_, m))| (d.clone(), m.reward_acc)).collect(),
+            heldout_acc: open.reported.iter().filter_map(|(d, (_, m))| Some((d.clone(), m.heldout_acc?))).collect(),
+            peak_rss_mib: open.reported.iter().filter_map(|(d, (_, m))| Some((d.clone(), m.peak_rss_mib?))).collect(),
+            train_seconds: open.reported.iter().map(|(d, (_, m))| (d.clone(), m.seconds)).collect(),
+            device_grad_norm: weighted(&|m| m.grad_norm),
+            diagnostics_bytes: open.diagnostics_bytes,
+            bytes_up: open.bytes_up,
+            bytes_up_by_device: open.bytes_up_by_device.clone(),
+            bytes_down: open.bytes_down,
+            rejected: open.rejected.clone(),
+            ..RoundRecord::default()
+        };
+        self.state.bytes_up += open.bytes_up;
+        self.state.bytes_down += open.bytes_down;
+        if !open.evaluation {
+            let secure_sum = open.secure_sum.take();
+            let updates = secure_sum.as_ref().map_or(open.updates.count(), WeightedSum::count);
+            record.clipped = open.updates.clipped();
+            let combined = if updates >= self.job.quorum {
+                let sum = match secure_sum {
+                    Some(sum) => Ok(sum),
+                    None => open.updates.finish(&self.global),
+                };
+                sum.map_err(|e| {
+                    tracing::warn!(updates, error = %e, "the round's updates cannot be combined; the global model is unchanged");
+                })
+            } else {
+                tracing::warn!(updates, quorum = self.job.quorum, "quorum not met; the global model is unchanged");
+                Err(())
+            };
+            let closing = Instant::now();
+            if let Ok(sum) = combined {
+                let local = self.job.lr * f64::from(self.job.local_steps.max(1));
+                record.grad_norm = sum.mean_norm() / local;
+                if let Some(report) = open.diagnostics.as_ref().map(Diagnostics::report) {
+                    record.grad_norm = report.grad_norm.unwrap_or(record.grad_norm);
+                    record.kappa2 = report.kappa2;
+                    record.layer_cos = report.layer_cos;
+                }
+                let previous = self.client_term.needs_previous_model().then(|| self.global.clone());
+                record.update_norm = self.strategy.aggregate(open.round, &mut self.global, &sum)?;
+                let registered = self.state.devices.len();
+                self.client_term.after_round(previous.as_ref(), &self.global, open.controls.as_ref(), registered);
+                if let Some(acc) = self.state.privacy.as_mut() {
+                    acc.add_round(open.selected.len() as f64 / open.population.max(1) as f64);
+                }
+                self.spent_sum = Some(sum);
+            }
+            self.state.round = open.round;
+            let aggregated = Instant::now();
+            let encoded = self.global.encode();
+            self.state.global_digest = hex::encode(encoded.digest());
+            self.encoded_global = Some(encoded);
+            let encoded_at = Instant::now();
+            self.state.strategy_state = self.strategy.state()?;
+            self.state.client_term_state = self.client_term.state()?;
+            self.checkpoints.save(&self.global, &self.state)?;
+            tracing::debug!(
+                aggregate_s = format_args!("{:.3}", (aggregated - closing).as_secs_f64()),
+                encode_s = format_args!("{:.3}", (encoded_at - aggregated).as_secs_f64()),
+                checkpoint_s = format_args!("{:.3}", encoded_at.elapsed().as_secs_f64()),
+                "round closed"
+            );
+        }
+        // Every record carries the privacy spent so far, evaluation rounds included.
+        if let Some(acc) = &self.state.privacy {
+            let (epsilon, order) = acc.epsilon(self.job.aggregation.dp_delta);
+            tracing::info!(epsilon, delta = self.job.aggregation.dp_delta, order, rounds = acc.rounds, "privacy spent");
+            record.dp_epsilon = Some(epsilon);
+            record.dp_delta = Some(self.job.aggregation.dp_delta);
+        }
+        record.seconds = started.elapsed().as_secs_f64();
+        self.metrics.append(&record)?;
+        print_round(&record, self.job.rounds);
+        let result = RoundResult {
+            round: open.round,
+            participants,
+            train_loss: record.train_loss,
+            global_digest: hex::decode(&self.state.global_digest).unwrap_or_default(),
+            finished: false,
+        };
+        self.link.publish(&self.topics.down(), Message::Result(result).encode())?;
+        Ok(record)
+    }
+}
+
+fn print_round(r: &RoundRecord, rounds: u64) {
+    let label = if r.evaluation { "final eval".to_string() } else { format!("round {:>3}/{rounds}", r.round) };
+    println!(
+        "{label}  devices {}/{}  loss {:.4}  train acc {:.3}  held-out acc {:.3}  |g| {:.4}  up {:.1} MB  down {:.1} MB  {:.1} s",
+        r.participants.len(),
+        r.selected.len(),
+        r.train_loss,
+        mean(&r.reward_acc),
+        mean(&r.heldout_acc),
+        r.grad_norm,
+        r.bytes_up as f64 / 1e6,
+        r.bytes_down as f64 / 1e6,
+        r.seconds
+    );
+}
