@@ -13,7 +13,9 @@
 #   composed kernels);
 # - one DistilGPT-2 federated round each (aggregator and device as separate processes on
 #   an embedded broker): pFedDPO in one pass or in passes of 1, 2 and 4 pairs, with frozen
-#   embeddings, FedDPO and shared LoRA, on 120 synthetic pairs (at most 71 tokens).
+#   embeddings, FedDPO and shared LoRA, on 120 synthetic pairs (at most 71 tokens); and
+#   pFedDPO with the round's starting model kept on disk (--start-on-disk), in one pass
+#   and in passes of 1.
 #
 # Peaks are each process's maximum RSS from getrusage (bench, train-local's summary) or
 # /usr/bin/time (the device of a round). About ten minutes on 2 cores.
@@ -28,8 +30,9 @@ mkdir -p "$(dirname "$out")"
 : > "$out"
 
 # record SOURCE MODEL PARTITION FREEZE OPTIM BATCH MICRO SEQ RESP FEDERATED TOKENIZER SHARED_PROMPT COMPUTE PEAK_MIB
+# (START_ON_DISK=true in the environment for a round that kept its start on disk)
 record() {
-    printf '{"source":"%s","model":"%s","partition":"%s","freeze_embeddings":%s,"optimizer":"%s","batch_pairs":%s,"micro_batch_pairs":%s,"seq_len":%s,"response_len":%s,"federated":%s,"tokenizer":%s,"shared_prompt":%s,"compute_dtype":"%s","peak_mib":%.1f}\n' "$@" >> "$out"
+    printf '{"source":"%s","model":"%s","partition":"%s","freeze_embeddings":%s,"optimizer":"%s","batch_pairs":%s,"micro_batch_pairs":%s,"seq_len":%s,"response_len":%s,"federated":%s,"tokenizer":%s,"shared_prompt":%s,"compute_dtype":"%s","peak_mib":%.1f,"start_on_disk":%s}\n' "$@" "${START_ON_DISK:-false}" >> "$out"
 }
 json_field() { sed -n "s/.*\"$1\": *\([0-9.]*\).*/\1/p" "$2" | head -1; }
 # A `key=value` field of a log line (tracing colours the text even into a file).
@@ -86,9 +89,10 @@ local_run two-rows 8 sgd false false f32
 local_run bf16 8 sgd false true bf16
 local_run bf16-passes-of-1 1 sgd false true bf16
 
-# round NAME PORT METHOD FREEZE MICRO
+# round NAME PORT METHOD FREEZE MICRO [DEVICE_FLAG...]
 round() {
     local name=$1 port=$2 method=$3 freeze=$4 micro=$5 agg_flags=()
+    shift 5
     [ "$freeze" = true ] && agg_flags+=(--freeze-embeddings)
     "$bin/fedpo-aggregator" serve --embedded-broker "127.0.0.1:$port" --job mem --method "$method" --model distilgpt2 \
         --rounds 1 --per-round 1 --local-steps 2 --batch-pairs 8 --no-final-eval --out "$work/$name-agg" \
@@ -97,7 +101,7 @@ round() {
     sleep 3
     /usr/bin/time -v "$bin/fedpo-device" run --broker "mqtt://127.0.0.1:$port" --job mem --id dev-0 \
         --state-dir "$work/$name-dev" --synthetic-persona 0 --train-pairs 120 --heldout-pairs 40 --max-len 128 \
-        --micro-batch-pairs "$micro" --max-memory 65536 > "$work/$name.log" 2>&1
+        --micro-batch-pairs "$micro" --max-memory 65536 "$@" > "$work/$name.log" 2>&1
     wait "$agg"
     local seq resp kib
     seq=$(log_field longest_sequence "$work/$name.log")
@@ -105,7 +109,8 @@ round() {
     kib=$(sed -n 's/.*Maximum resident set size (kbytes): \([0-9]*\).*/\1/p' "$work/$name.log")
     [ -n "$seq" ] && [ -n "$kib" ] || { echo "round $name logged no memory plan or peak:" >&2; tail -5 "$work/$name.log" >&2; exit 1; }
     echo "round $name: $seq tokens, $resp response" >&2
-    record round distilgpt2 "$method" "$freeze" sgd 8 "$micro" "$seq" "$resp" true true true f32 "$(awk -v k="$kib" 'BEGIN { print k / 1024 }')"
+    START_ON_DISK=$([ "${1:-}" = --start-on-disk ] && echo true || echo false) \
+        record round distilgpt2 "$method" "$freeze" sgd 8 "$micro" "$seq" "$resp" true true true f32 "$(awk -v k="$kib" 'BEGIN { print k / 1024 }')"
 }
 round pfeddpo 18851 pfeddpo false 8
 round passes-of-1 18852 pfeddpo false 1
@@ -114,4 +119,6 @@ round passes-of-4 18854 pfeddpo false 4
 round frozen-embeddings 18855 pfeddpo true 8
 round feddpo 18856 feddpo false 8
 round shared-lora 18857 shared-lora false 8
+round start-on-disk 18858 pfeddpo false 8 --start-on-disk
+round start-on-disk-passes-of-1 18859 pfeddpo false 1 --start-on-disk
 echo "wrote $(wc -l < "$out") measurements to $out" >&2

@@ -183,6 +183,7 @@ impl SimulateArgs {
                 compute: Device::Cpu,
                 max_memory_mib: self.device_max_memory,
                 max_micro_batch_pairs: self.micro_batch_pairs.map(|n| n as usize),
+                start_on_disk: false,
                 compute_dtype: candle_core::DType::F32,
                 trusted_key: trusted_key.as_deref().map(PlanVerifier::parse).transpose()?,
                 adversary: (k < self.attackers).then_some(self.attack),

@@ -35,6 +35,7 @@ fn device_over_its_memory_budget_leaves_the_job_before_downloading_the_model() {
         compute: Device::Cpu,
         max_memory_mib: Some(1000),
         max_micro_batch_pairs: None,
+        start_on_disk: false,
         compute_dtype: candle_core::DType::F32,
         trusted_key: None,
         adversary: None,

@@ -146,6 +146,7 @@ fn fleet_runs_through_mosquitto_with_mtls_and_a_device_cannot_publish_as_another
                 compute: Device::Cpu,
                 max_memory_mib: None,
                 max_micro_batch_pairs: None,
+                start_on_disk: false,
                 compute_dtype: candle_core::DType::F32,
                 trusted_key: None,
                 adversary: None,

@@ -65,6 +65,7 @@ fn devices_train_only_on_plans_signed_by_the_key_they_pin() {
                 compute: Device::Cpu,
                 max_memory_mib: None,
                 max_micro_batch_pairs: None,
+                start_on_disk: false,
                 compute_dtype: candle_core::DType::F32,
                 trusted_key: Some(PlanVerifier::parse(pinned).unwrap()),
                 adversary: None,

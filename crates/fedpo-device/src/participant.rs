@@ -96,6 +96,9 @@ pub struct ParticipantConfig {
     /// more is trained in several passes with gradient accumulation. `--max-memory` may
     /// plan fewer; `None` leaves it to the budget, or runs the whole batch in one pass.
     pub max_micro_batch_pairs: Option<usize>,
+    /// Keep each round's starting model on disk while it trains (`--start-on-disk`), not
+    /// beside the gradients; `--max-memory` also asks for it when a round needs it.
+    pub start_on_disk: bool,
     /// Dtype of matmuls and activations (f32, or bf16/f16 for mixed precision).
     pub compute_dtype: candle_core::DType,
     /// The aggregator's pinned public key: plans (and so models) whose signature does not
@@ -116,6 +119,8 @@ pub struct ParticipantSummary {
     pub bytes_up: u64,
     /// Bytes of global models it received.
     pub bytes_down: u64,
+    /// Rounds that kept their starting model on disk while training.
+    pub rounds_with_start_on_disk: Vec<u64>,
 }
 
 /// A seed from the device id, so every device's fresh adapter differs.
@@ -135,6 +140,8 @@ struct Participant {
     summary: ParticipantSummary,
     /// The micro-batch the memory budget allows for the pending round's model.
     micro_batch_pairs: Option<usize>,
+    /// Whether rounds keep their starting model on disk, when a memory budget set it.
+    start_on_disk: bool,
     /// This process's instance number, sent with every hello.
     instance: u64,
     /// Connections to the broker so far, sent with every hello.
@@ -180,6 +187,7 @@ pub fn run(cfg: ParticipantConfig) -> Result<ParticipantSummary, ParticipantErro
         limits: Limits::default(),
         summary: ParticipantSummary::default(),
         micro_batch_pairs: None,
+        start_on_disk: false,
         instance: rand::random::<u64>().max(1),
         connection: 1,
         sent_under: None,
@@ -232,6 +240,7 @@ impl Participant {
     fn fit_memory(&mut self, plan: &RoundPlan) -> Result<(), ParticipantError> {
         let Some(budget) = self.cfg.max_memory_mib else {
             self.micro_batch_pairs = self.cfg.max_micro_batch_pairs;
+            self.start_on_disk = self.cfg.start_on_disk;
             return Ok(());
         };
         let spec: fedpo_model::PolicySpec = serde_json::from_str(&plan.model_spec)
@@ -249,13 +258,14 @@ impl Participant {
             seq_len: seq_len.max(h_seq),
             response_len: response_len.max(h_resp),
             federated: true,
+            may_keep_start_on_disk: true,
             may_freeze_embeddings: false,
             may_shorten: false,
             kernels: StepKernels::for_run(&self.cfg.compute, self.cfg.compute_dtype),
         };
         let fitted =
             memory::plan(&request, budget).map_err(|reason| ParticipantError::Memory { round: plan.round, reason })?;
-        if self.micro_batch_pairs != Some(fitted.micro_batch_pairs) {
+        if self.micro_batch_pairs != Some(fitted.micro_batch_pairs) || self.start_on_disk != fitted.start_on_disk {
             tracing::info!(
                 round = plan.round,
                 budget_mib = budget,
@@ -266,6 +276,7 @@ impl Participant {
             );
         }
         self.micro_batch_pairs = Some(fitted.micro_batch_pairs);
+        self.start_on_disk = fitted.start_on_disk || self.cfg.start_on_disk;
         Ok(())
     }
 
@@ -450,11 +461,15 @@ impl Participant {
                 seed: device_seed(&self.cfg.id),
                 compute: &self.cfg.compute,
                 micro_batch_pairs: self.micro_batch_pairs,
+                start_on_disk: self.start_on_disk,
                 compute_dtype: self.cfg.compute_dtype,
             },
             &self.state,
             &mut progress,
         )?;
+        if outcome.start_was_on_disk {
+            self.summary.rounds_with_start_on_disk.push(plan.round);
+        }
         tracing::info!(
             peak_rss_mib = format_args!("{:.0}", outcome.metrics.peak_rss_mib.unwrap_or_default()),
             loss = format_args!("{:.4}", outcome.metrics.train_loss),

@@ -7,7 +7,7 @@ use std::time::Instant;
 use candle_core::{DType, Device};
 use fedpo_data::{fingerprint, TokenizedPair};
 use fedpo_model::checkpoint::{load_adapter, save_adapter};
-use fedpo_model::{ParamRole, Policy, PolicySpec, SharedTensor, TensorSource};
+use fedpo_model::{ParamRole, Policy, PolicySpec, SharedTensor, SpilledStart, TensorSource};
 use fedpo_train::{
     evaluate, load_or_score_pairs, score_pairs, DpoSettings, LocalTrainer, LossKind, OptimConfig, OptimKind,
     PreferenceSet,
@@ -19,6 +19,15 @@ use crate::memory::peak_rss_mib;
 use crate::participant::ParticipantError;
 use crate::state_dir::{Progress, StateDir};
 
+/// The scratch file of a round whose starting model waits on disk.
+const START_FILE: &str = "round-start.f32";
+
+/// Where the model a round started from waits for the delta.
+enum RoundStart {
+    InMemory(TensorSource),
+    OnDisk(SpilledStart),
+}
+
 /// What a round produced.
 pub(crate) struct RoundOutcome {
     pub(crate) metrics: UpdateMetrics,
@@ -26,6 +35,8 @@ pub(crate) struct RoundOutcome {
     pub(crate) delta: Vec<SharedTensor>,
     /// Named extra uploads: SCAFFOLD's `Δc_i`, the diagnostic gradient.
     pub(crate) sections: Vec<(String, Vec<SharedTensor>)>,
+    /// The model the round started from waited on disk while it trained.
+    pub(crate) start_was_on_disk: bool,
 }
 
 pub(crate) struct RoundInputs<'a> {
@@ -42,6 +53,9 @@ pub(crate) struct RoundInputs<'a> {
     pub(crate) compute: &'a Device,
     /// Pairs per forward pass, when a memory budget set it.
     pub(crate) micro_batch_pairs: Option<usize>,
+    /// Keep the model the round starts from on disk while training, when a memory budget
+    /// needs it (and no local term holds it anyway).
+    pub(crate) start_on_disk: bool,
     /// Dtype of matmuls and activations.
     pub(crate) compute_dtype: DType,
 }
@@ -133,6 +147,17 @@ pub(crate) fn train_round(
         let gradient = trainer.full_gradient(&policy, &train)?;
         sections.push((keys::DIAGNOSTIC_GRADIENT.to_string(), policy.shared_values(&gradient)?));
     }
+    // FedProx and FedGA measure the distance to the start while training: they hold it.
+    let terms_hold_start = trainer.terms().proximal.is_some() || trainer.terms().alignment.is_some();
+    drop(anchor);
+    let start = if training && input.start_on_disk && !terms_hold_start {
+        let spilled = SpilledStart::write(&state.path(START_FILE), &policy, &global)?;
+        drop(global);
+        tracing::debug!(file = %spilled.path().display(), "the round's starting model set aside on disk");
+        RoundStart::OnDisk(spilled)
+    } else {
+        RoundStart::InMemory(global)
+    };
     let (mut loss_sum, mut acc_sum, mut grad_norm) = (0.0, 0.0, 0.0);
     for step in 0..steps {
         let m = trainer.step(&policy, &train)?;
@@ -161,7 +186,12 @@ pub(crate) fn train_round(
             sections.push((keys::SCAFFOLD_CONTROL_DELTA.to_string(), policy.shared_values(&change)?));
         }
     }
-    let delta = if steps == 0 { Vec::new() } else { policy.shared_delta(&global)? };
+    let start_was_on_disk = matches!(start, RoundStart::OnDisk(_));
+    let delta = match start {
+        _ if steps == 0 => Vec::new(),
+        RoundStart::InMemory(global) => policy.shared_delta(&global)?,
+        RoundStart::OnDisk(spilled) => spilled.delta(&policy)?,
+    };
     Ok(RoundOutcome {
         metrics: UpdateMetrics {
             train_loss,
@@ -173,5 +203,6 @@ pub(crate) fn train_round(
         },
         delta,
         sections,
+        start_was_on_disk,
     })
 }

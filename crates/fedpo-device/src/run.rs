@@ -80,6 +80,11 @@ pub(crate) struct RunArgs {
     /// with --max-memory the plan may take fewer.
     #[arg(long, value_name = "PAIRS", value_parser = clap::value_parser!(u64).range(1..))]
     micro_batch_pairs: Option<u64>,
+    /// Keep each round's starting model on disk (in --state-dir) while training, and read
+    /// it back to form the update: one copy of the shared weights less in memory, for one
+    /// write and one read of them per round. --max-memory turns it on when a round needs it.
+    #[arg(long)]
+    start_on_disk: bool,
     /// CA certificate (PEM) for mqtts://.
     #[arg(long)]
     ca: Option<PathBuf>,
@@ -138,6 +143,7 @@ pub(crate) fn run(args: RunArgs) -> Result<()> {
         compute: parse_device(&args.device)?,
         max_memory_mib: args.max_memory,
         max_micro_batch_pairs: args.micro_batch_pairs.map(|n| n as usize),
+        start_on_disk: args.start_on_disk,
         compute_dtype: args.compute_dtype,
         trusted_key: args.trust_key.as_deref().map(PlanVerifier::parse).transpose()?,
         adversary: None,

@@ -9,10 +9,14 @@
 //!   feedback), tagged with the round after which it is owed. A round's new residual is
 //!   first written as `residual.next.safetensors` and renamed over the old one only once
 //!   the round is recorded in `progress.json`, so a crash in between can neither drop
-//!   what was owed nor count it twice.
+//!   what was owed nor count it twice;
+//! - `round-start.f32`: while a round trains with its starting model on disk
+//!   ([`fedpo_model::SpilledStart`]), that model's shared tensors; removed once the update
+//!   is formed. It is scratch: a crash mid-round retrains the round and overwrites it.
 //!
 //! Every file is written atomically (temp file, fsync, rename), but `last_update.cbor`,
-//! which `progress.json` vouches for (see [`StateDir::save_last_update`]).
+//! which `progress.json` vouches for (see [`StateDir::save_last_update`]), and the scratch
+//! `round-start.f32`.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

@@ -55,6 +55,11 @@ impl SharedTensor {
         })
     }
 
+    /// Values formed elsewhere in this crate (a delta read back from disk).
+    pub(crate) fn from_parts(name: String, shape: Vec<usize>, values: Vec<f32>, role: ParamRole) -> Self {
+        Self { name, shape, values, role }
+    }
+
     /// Checkpoint-style name.
     pub fn name(&self) -> &str {
         &self.name

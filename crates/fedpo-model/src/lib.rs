@@ -17,6 +17,7 @@ mod lora;
 pub mod ops;
 mod params;
 mod policy;
+mod spilled_start;
 pub mod tokenizer;
 mod weights;
 
@@ -27,5 +28,6 @@ pub use gpt2::{BackwardPass, Gpt2};
 pub use lora::{LoraConfig, LoraTargets, LORA_MODULES};
 pub use params::{Param, ParamKind, ParamRole, ParamStore, Partition, PartitionPreset};
 pub use policy::{Policy, PolicySpec};
+pub use spilled_start::SpilledStart;
 pub use tokenizer::Gpt2Tokenizer;
 pub use weights::TensorSource;

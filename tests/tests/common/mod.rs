@@ -174,6 +174,7 @@ pub fn participant_config(
         compute: Device::Cpu,
         max_memory_mib: None,
         max_micro_batch_pairs: None,
+        start_on_disk: false,
         compute_dtype: candle_core::DType::F32,
         trusted_key: None,
         adversary: None,

@@ -2,9 +2,12 @@
 //!
 //! The planner gives up things in the order that changes training least:
 //! 1. smaller micro-batches (gradient accumulation: the same optimizer step, slower);
-//! 2. frozen token and position embeddings (less trains; off in a federated job, where the
+//! 2. in a federated round, the model the round started from kept on disk until the delta
+//!    is formed ([`fedpo_model::SpilledStart`]: the same training, one write and one read
+//!    of the shared tensors more per round);
+//! 3. frozen token and position embeddings (less trains; off in a federated job, where the
 //!    aggregator's plan fixes what is shared);
-//! 3. shorter sequences (truncation loses tokens; off where the data is already tokenized).
+//! 4. shorter sequences (truncation loses tokens; off where the data is already tokenized).
 //!
 //! A budget nothing fits is refused before anything is allocated, with the smallest
 //! footprint fedpo could reach and what it would take.
@@ -43,6 +46,8 @@ pub struct PlanRequest {
     pub response_len: usize,
     /// A federated round (it also holds the global model and the upload).
     pub federated: bool,
+    /// The planner may keep a federated round's starting model on disk.
+    pub may_keep_start_on_disk: bool,
     /// The planner may freeze the embeddings.
     pub may_freeze_embeddings: bool,
     /// The planner may shorten sequences.
@@ -60,6 +65,8 @@ pub struct MemoryPlan {
     pub freeze_embeddings: bool,
     /// The sequence length to truncate to, when shorter than the request's.
     pub max_len: Option<usize>,
+    /// Whether a federated round keeps the model it started from on disk.
+    pub start_on_disk: bool,
     /// The expected peak, MiB, with the safety margin.
     pub estimate_mib: f64,
 }
@@ -70,6 +77,9 @@ impl fmt::Display for MemoryPlan {
         write!(f, "{n} pair{} per pass", if n == 1 { "" } else { "s" })?;
         if self.freeze_embeddings {
             write!(f, ", frozen embeddings")?;
+        }
+        if self.start_on_disk {
+            write!(f, ", the round's starting model on disk")?;
         }
         if let Some(len) = self.max_len {
             write!(f, ", sequences cut to {len} tokens")?;
@@ -105,7 +115,8 @@ pub enum PlanError {
 }
 
 impl PlanRequest {
-    fn workload(&self, micro_batch_pairs: usize, freeze_embeddings: bool, seq_len: usize) -> Workload {
+    fn workload(&self, micro_batch_pairs: usize, at: Settings) -> Workload {
+        let Settings { freeze: freeze_embeddings, seq_len, start_on_disk } = at;
         let partition =
             Partition { freeze_embeddings: self.partition.freeze_embeddings || freeze_embeddings, ..self.partition };
         Workload {
@@ -117,14 +128,15 @@ impl PlanRequest {
             logit_positions: self.response_len.min(seq_len),
             optimizer: self.optimizer,
             federated: self.federated,
+            start_on_disk: self.federated && start_on_disk,
             embeddings_train: partition.base_role("wte.weight").is_trainable(),
             kernels: self.kernels,
             shared_prompt: fedpo_train::logps::shares_prompts(),
         }
     }
 
-    fn estimate(&self, micro: usize, freeze: bool, seq_len: usize) -> Estimate {
-        self.workload(micro, freeze, seq_len).estimate()
+    fn estimate(&self, micro: usize, at: Settings) -> Estimate {
+        self.workload(micro, at).estimate()
     }
 
     /// The micro-batches the planner may choose from, largest first; always at least 1.
@@ -135,17 +147,31 @@ impl PlanRequest {
     /// The largest micro-batch that fits at these settings, if any. It need not be the one
     /// with the smallest footprint: a batch split over several passes holds a gradient
     /// accumulation buffer, which can outweigh the activations it saves.
-    fn largest_micro_batch(&self, budget: f64, freeze: bool, seq_len: usize) -> Option<(usize, f64)> {
-        self.micro_batches().map(|m| (m, self.estimate(m, freeze, seq_len).peak_mib())).find(|(_, mib)| *mib <= budget)
+    fn largest_micro_batch(&self, budget: f64, at: Settings) -> Option<(usize, f64)> {
+        self.micro_batches().map(|m| (m, self.estimate(m, at).peak_mib())).find(|(_, mib)| *mib <= budget)
     }
 
     /// The micro-batch with the smallest footprint at these settings, and its estimate.
-    fn smallest_footprint(&self, freeze: bool, seq_len: usize) -> (usize, Estimate) {
+    fn smallest_footprint(&self, at: Settings) -> (usize, Estimate) {
         self.micro_batches()
-            .map(|m| (m, self.estimate(m, freeze, seq_len)))
+            .map(|m| (m, self.estimate(m, at)))
             .min_by(|(_, a), (_, b)| a.peak_mib().total_cmp(&b.peak_mib()))
-            .unwrap_or_else(|| (1, self.estimate(1, freeze, seq_len)))
+            .unwrap_or_else(|| (1, self.estimate(1, at)))
     }
+
+    /// The settings at `seq_len` with embeddings as they are and the start in memory.
+    #[cfg(test)]
+    fn at_length(&self, seq_len: usize) -> Settings {
+        Settings { freeze: false, seq_len, start_on_disk: false }
+    }
+}
+
+/// What the planner may change besides the micro-batch.
+#[derive(Debug, Clone, Copy)]
+struct Settings {
+    freeze: bool,
+    seq_len: usize,
+    start_on_disk: bool,
 }
 
 /// The longest sequence (prompt + response) and the longest response among `pairs`: every
@@ -179,25 +205,38 @@ pub fn plan(request: &PlanRequest, budget_mib: u64) -> Result<MemoryPlan, PlanEr
             lengths.push(MIN_SEQ_LEN);
         }
     }
-    for &len in &lengths {
+    let mut disk_options = vec![false];
+    if request.federated && request.may_keep_start_on_disk {
+        disk_options.push(true);
+    }
+    for &seq_len in &lengths {
         for &freeze in &freeze_options {
-            if let Some((micro, estimate_mib)) = request.largest_micro_batch(budget, freeze, len) {
-                return Ok(MemoryPlan {
-                    micro_batch_pairs: micro,
-                    freeze_embeddings: freeze,
-                    max_len: (len < request.seq_len).then_some(len),
-                    estimate_mib,
-                });
+            for &start_on_disk in &disk_options {
+                let at = Settings { freeze, seq_len, start_on_disk };
+                if let Some((micro, estimate_mib)) = request.largest_micro_batch(budget, at) {
+                    return Ok(MemoryPlan {
+                        micro_batch_pairs: micro,
+                        freeze_embeddings: freeze,
+                        max_len: (seq_len < request.seq_len).then_some(seq_len),
+                        start_on_disk,
+                        estimate_mib,
+                    });
+                }
             }
         }
     }
 
-    let (len, freeze) = (*lengths.last().unwrap_or(&request.seq_len), *freeze_options.last().unwrap_or(&false));
-    let (micro, smallest) = request.smallest_footprint(freeze, len);
+    let at = Settings {
+        freeze: *freeze_options.last().unwrap_or(&false),
+        seq_len: *lengths.last().unwrap_or(&request.seq_len),
+        start_on_disk: *disk_options.last().unwrap_or(&false),
+    };
+    let (micro, smallest) = request.smallest_footprint(at);
     let smallest_plan = MemoryPlan {
         micro_batch_pairs: micro,
-        freeze_embeddings: freeze,
-        max_len: (len < request.seq_len).then_some(len),
+        freeze_embeddings: at.freeze,
+        max_len: (at.seq_len < request.seq_len).then_some(at.seq_len),
+        start_on_disk: at.start_on_disk,
         estimate_mib: smallest.peak_mib(),
     };
     Err(PlanError::DoesNotFit {
@@ -212,8 +251,11 @@ pub fn plan(request: &PlanRequest, budget_mib: u64) -> Result<MemoryPlan, PlanEr
 /// What the request forbade the planner to try, when that would fit.
 fn hint(request: &PlanRequest, budget: f64) -> String {
     let mut hints = Vec::new();
+    // What the planner would also do: the start on disk, where allowed.
+    let start_on_disk = request.federated && request.may_keep_start_on_disk;
     if !request.may_freeze_embeddings && !request.partition.freeze_embeddings {
-        if let Some((micro, mib)) = request.largest_micro_batch(budget, true, request.seq_len) {
+        let at = Settings { freeze: true, seq_len: request.seq_len, start_on_disk };
+        if let Some((micro, mib)) = request.largest_micro_batch(budget, at) {
             hints.push(format!(
                 "with frozen embeddings (the aggregator's --freeze-embeddings), at {micro} pairs per pass ({mib:.0} MiB)"
             ));
@@ -222,7 +264,9 @@ fn hint(request: &PlanRequest, budget: f64) -> String {
     if !request.may_shorten {
         let mut len = request.seq_len / 2;
         while len >= MIN_SEQ_LEN {
-            if let Some((micro, mib)) = request.largest_micro_batch(budget, false, len) {
+            if let Some((micro, mib)) =
+                request.largest_micro_batch(budget, Settings { freeze: false, seq_len: len, start_on_disk })
+            {
                 hints.push(format!("with --max-len {len}, at {micro} pairs per pass ({mib:.0} MiB)"));
                 break;
             }
@@ -253,6 +297,7 @@ mod tests {
             seq_len: 128,
             response_len: 64,
             federated: true,
+            may_keep_start_on_disk: false,
             may_freeze_embeddings: false,
             may_shorten: false,
             kernels: StepKernels::Fused,
@@ -273,13 +318,13 @@ mod tests {
     #[test]
     fn a_tight_budget_splits_a_batch_of_long_pairs_and_stays_under_it() {
         let request = long_pairs_request();
-        let whole = request.estimate(8, false, 512).peak_mib();
+        let whole = request.estimate(8, request.at_length(512)).peak_mib();
         let budget = whole - 200.0;
         let p = plan(&request, budget as u64).unwrap();
         assert!(p.micro_batch_pairs < 8 && p.micro_batch_pairs >= 1, "{p}");
         assert!(p.estimate_mib <= budget);
         // The next larger micro-batch would not have fitted: the planner takes the largest.
-        assert!(request.estimate(p.micro_batch_pairs + 1, false, 512).peak_mib() > budget);
+        assert!(request.estimate(p.micro_batch_pairs + 1, request.at_length(512)).peak_mib() > budget);
     }
 
     #[test]
@@ -287,7 +332,7 @@ mod tests {
         // The synthetic personas' longest pair: 71 tokens, 55 of them response. Passes of
         // one pair measured 1100 MiB in a round against 1337 for one pass of eight.
         let request = PlanRequest { seq_len: 71, response_len: 55, ..distilgpt2_request() };
-        let whole = request.estimate(8, false, 71).peak_mib();
+        let whole = request.estimate(8, request.at_length(71)).peak_mib();
         let p = plan(&request, (whole - 1.0) as u64).unwrap();
         assert!(p.micro_batch_pairs < 8 && p.estimate_mib < whole, "{p}");
     }
@@ -295,10 +340,39 @@ mod tests {
     #[test]
     fn very_short_pairs_are_not_split_where_the_accumulation_buffer_costs_more_than_it_saves() {
         let request = PlanRequest { seq_len: 8, response_len: 4, ..distilgpt2_request() };
-        let whole = request.estimate(8, false, 8).peak_mib();
-        assert!(request.estimate(1, false, 8).peak_mib() > whole);
+        let whole = request.estimate(8, request.at_length(8)).peak_mib();
+        assert!(request.estimate(1, request.at_length(8)).peak_mib() > whole);
         let err = plan(&request, (whole - 1.0) as u64).unwrap_err().to_string();
         assert!(err.contains("(8 pairs per pass) needs about"), "{err}");
+    }
+
+    #[test]
+    fn a_round_keeps_its_start_on_disk_only_when_passes_of_one_pair_do_not_fit() {
+        // The synthetic personas' pairs, as a device in a federated job plans them.
+        let request =
+            PlanRequest { seq_len: 71, response_len: 55, may_keep_start_on_disk: true, ..distilgpt2_request() };
+        let in_memory = request.estimate(1, request.at_length(71)).peak_mib();
+        let on_disk = request.estimate(1, Settings { start_on_disk: true, ..request.at_length(71) }).peak_mib();
+        // the received model's 1.25 embedding tables (38.6 M values), with the margin
+        let table_mib = 50_257.0 * 768.0 * 4.0 / (1024.0 * 1024.0);
+        assert!(
+            (in_memory - on_disk - 1.25 * table_mib * super::super::footprint::SAFETY_MARGIN).abs() < 1.0,
+            "{in_memory} vs {on_disk}"
+        );
+
+        let p = plan(&request, in_memory.ceil() as u64).unwrap();
+        assert_eq!((p.micro_batch_pairs, p.start_on_disk), (1, false), "splitting comes first: {p}");
+        let p = plan(&request, (in_memory - 1.0) as u64).unwrap();
+        assert!(p.start_on_disk && p.estimate_mib < in_memory - 1.0, "{p}");
+        assert!(p.to_string().contains("starting model on disk"), "{p}");
+        // with the start on disk the planner again takes the largest micro-batch that fits
+        let next = request.estimate(p.micro_batch_pairs + 1, Settings { start_on_disk: true, ..request.at_length(71) });
+        assert!(p.micro_batch_pairs == 8 || next.peak_mib() > in_memory - 1.0, "{p}");
+
+        let refused = PlanRequest { may_keep_start_on_disk: false, ..request.clone() };
+        assert!(plan(&refused, (in_memory - 1.0) as u64).is_err());
+        let local = PlanRequest { federated: false, ..request };
+        assert!(!plan(&local, 300_000).unwrap().start_on_disk, "local training has no round start");
     }
 
     #[test]
@@ -309,7 +383,7 @@ mod tests {
         let uncapped = distilgpt2_request();
         // Passes of two pairs hold more than one pass of eight beside the model's own
         // gradient buffers, which the passes add into (about 0.45 trainable copies, measured).
-        let params = |r: &PlanRequest, m| r.estimate(m, false, 128).parameters_mib;
+        let params = |r: &PlanRequest, m| r.estimate(m, r.at_length(128)).parameters_mib;
         assert!(params(&request, 2) > params(&uncapped, 8) + 100.0);
     }
 
@@ -332,8 +406,8 @@ mod tests {
     fn a_federated_device_is_told_that_frozen_embeddings_would_fit() {
         // Frozen embeddings drop 39 M trainable parameters; find a budget where only that helps.
         let request = distilgpt2_request();
-        let unfrozen = request.smallest_footprint(false, 128).1.peak_mib();
-        let frozen = request.smallest_footprint(true, 128).1.peak_mib();
+        let unfrozen = request.smallest_footprint(request.at_length(128)).1.peak_mib();
+        let frozen = request.smallest_footprint(Settings { freeze: true, ..request.at_length(128) }).1.peak_mib();
         assert!(frozen < unfrozen);
         let budget = ((frozen + unfrozen) / 2.0) as u64;
         let text = plan(&request, budget).unwrap_err().to_string();
@@ -349,7 +423,8 @@ mod tests {
     fn shortening_is_the_last_resort_and_never_goes_below_the_floor() {
         let request =
             PlanRequest { may_freeze_embeddings: true, may_shorten: true, federated: false, ..long_pairs_request() };
-        let frozen_short = request.smallest_footprint(true, MIN_SEQ_LEN).1.peak_mib();
+        let frozen_short =
+            request.smallest_footprint(Settings { freeze: true, ..request.at_length(MIN_SEQ_LEN) }).1.peak_mib();
         let p = plan(&request, frozen_short.ceil() as u64).unwrap();
         assert!(p.freeze_embeddings);
         assert_eq!(p.max_len, Some(MIN_SEQ_LEN));
@@ -360,7 +435,7 @@ mod tests {
     fn the_composed_kernels_are_planned_with_their_own_larger_footprint() {
         let fused = distilgpt2_request();
         let composed = PlanRequest { kernels: StepKernels::Composed, ..distilgpt2_request() };
-        let at = |r: &PlanRequest| r.estimate(8, false, 128).peak_mib();
+        let at = |r: &PlanRequest| r.estimate(8, r.at_length(128)).peak_mib();
         assert!(at(&composed) > 2.0 * at(&fused), "{} vs {}", at(&composed), at(&fused));
         assert_eq!(StepKernels::for_run(&candle_core::Device::Cpu, candle_core::DType::F32), StepKernels::Fused);
         assert_eq!(StepKernels::for_run(&candle_core::Device::Cpu, candle_core::DType::BF16), StepKernels::Composed);
