@@ -140,7 +140,8 @@ struct Participant {
     summary: ParticipantSummary,
     /// The micro-batch the memory budget allows for the pending round's model.
     micro_batch_pairs: Option<usize>,
-    /// Whether rounds keep their starting model on disk, when a memory budget set it.
+    /// Whether the memory budget needs rounds to keep their starting model on disk
+    /// (`--start-on-disk` asks for it regardless).
     start_on_disk: bool,
     /// This process's instance number, sent with every hello.
     instance: u64,
@@ -240,7 +241,6 @@ impl Participant {
     fn fit_memory(&mut self, plan: &RoundPlan) -> Result<(), ParticipantError> {
         let Some(budget) = self.cfg.max_memory_mib else {
             self.micro_batch_pairs = self.cfg.max_micro_batch_pairs;
-            self.start_on_disk = self.cfg.start_on_disk;
             return Ok(());
         };
         let spec: fedpo_model::PolicySpec = serde_json::from_str(&plan.model_spec)
@@ -276,7 +276,7 @@ impl Participant {
             );
         }
         self.micro_batch_pairs = Some(fitted.micro_batch_pairs);
-        self.start_on_disk = fitted.start_on_disk || self.cfg.start_on_disk;
+        self.start_on_disk = fitted.start_on_disk;
         Ok(())
     }
 
@@ -461,7 +461,7 @@ impl Participant {
                 seed: device_seed(&self.cfg.id),
                 compute: &self.cfg.compute,
                 micro_batch_pairs: self.micro_batch_pairs,
-                start_on_disk: self.start_on_disk,
+                start_on_disk: self.start_on_disk || self.cfg.start_on_disk,
                 compute_dtype: self.cfg.compute_dtype,
             },
             &self.state,

@@ -128,7 +128,7 @@ impl PlanRequest {
             logit_positions: self.response_len.min(seq_len),
             optimizer: self.optimizer,
             federated: self.federated,
-            start_on_disk: self.federated && start_on_disk,
+            start_on_disk,
             embeddings_train: partition.base_role("wte.weight").is_trainable(),
             kernels: self.kernels,
             shared_prompt: fedpo_train::logps::shares_prompts(),
@@ -157,6 +157,11 @@ impl PlanRequest {
             .map(|m| (m, self.estimate(m, at)))
             .min_by(|(_, a), (_, b)| a.peak_mib().total_cmp(&b.peak_mib()))
             .unwrap_or_else(|| (1, self.estimate(1, at)))
+    }
+
+    /// Whether a plan may keep the round's start on disk: only a federated round has one.
+    fn start_may_go_to_disk(&self) -> bool {
+        self.federated && self.may_keep_start_on_disk
     }
 
     /// The settings at `seq_len` with embeddings as they are and the start in memory.
@@ -206,7 +211,7 @@ pub fn plan(request: &PlanRequest, budget_mib: u64) -> Result<MemoryPlan, PlanEr
         }
     }
     let mut disk_options = vec![false];
-    if request.federated && request.may_keep_start_on_disk {
+    if request.start_may_go_to_disk() {
         disk_options.push(true);
     }
     for &seq_len in &lengths {
@@ -252,7 +257,7 @@ pub fn plan(request: &PlanRequest, budget_mib: u64) -> Result<MemoryPlan, PlanEr
 fn hint(request: &PlanRequest, budget: f64) -> String {
     let mut hints = Vec::new();
     // What the planner would also do: the start on disk, where allowed.
-    let start_on_disk = request.federated && request.may_keep_start_on_disk;
+    let start_on_disk = request.start_may_go_to_disk();
     if !request.may_freeze_embeddings && !request.partition.freeze_embeddings {
         let at = Settings { freeze: true, seq_len: request.seq_len, start_on_disk };
         if let Some((micro, mib)) = request.largest_micro_batch(budget, at) {
