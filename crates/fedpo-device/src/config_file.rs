@@ -90,6 +90,19 @@ mod tests {
         assert_eq!(expanded, os(&["fedpo-device", "run", "--skip-bad", "--id", "pi-8", "--max-memory=2000"]));
     }
 
+    /// cross/device.toml is what boards are flashed with: a key that is no `run` flag, or
+    /// a value that does not parse, would stop the service at boot.
+    #[test]
+    fn the_example_board_config_in_cross_parses_as_run_flags() {
+        use clap::Parser;
+        let file = concat!(env!("CARGO_MANIFEST_DIR"), "/../../cross/device.toml");
+        let args = expand(os(&["fedpo-device", "run", "--config", file])).unwrap();
+        let cli = crate::Cli::try_parse_from(args).unwrap_or_else(|e| panic!("{file}: {e}"));
+        let crate::Command::Run(run) = cli.command else { panic!("{file} did not parse as `run`") };
+        let run = format!("{run:?}");
+        assert!(run.contains("max_memory: Some(3000)") && run.contains("id: \"pi-7\""), "{run}");
+    }
+
     #[test]
     fn a_table_value_or_a_missing_file_is_an_error_naming_the_file() {
         let dir = tempfile::tempdir().unwrap();
