@@ -108,13 +108,15 @@ for shape in shapes:
 print()
 print("fedpo's bound with every matmul of its step (forward, input and weight gradients) at its own shape:")
 print()
-print("| shape | mode | fedpo s/step | bound s/step | fraction of bound | slowest shapes (GFLOP/s) |")
-print("|---|---|---|---|---|---|")
+print("| shape | mode | fedpo s/step | bound s/step | fraction of bound | threads busy | slowest shapes (GFLOP/s) |")
+print("|---|---|---|---|---|---|---|")
 for shape in shapes:
     for mode in ("trainable", "frozen"):
         f = load(f"fedpo-{shape}-{mode}.json")
         slow = sorted(f["gemm_step_shapes"], key=lambda g: g["gflops_best"])[:3]
         slow = ", ".join(f"{g['matmul']} {g['gflops_best']:.0f}" for g in slow)
+        busy = f.get("threads_busy")
+        busy = f"{busy:.2f} of {f['threads']}" if busy is not None else "–"
         print(f"| {shape} | {mode} | {f['seconds_per_step_median']:.3f} | {f['lower_bound_seconds_per_step_at_step_shapes']:.3f} "
-              f"| {f['fraction_of_step_shape_bound']:.0%} | {slow} |")
+              f"| {f['fraction_of_step_shape_bound']:.0%} | {busy} | {slow} |")
 PY
