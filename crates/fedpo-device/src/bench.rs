@@ -237,6 +237,7 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
     let head_rows = 2 * args.pairs * args.resp_len;
     let step_shapes = step_matmul_shapes(&config, sequences * width, head_rows, !args.base_frozen);
     let gemm = if args.gemm {
+        tracing::info!(shapes = 4 + step_shapes.len(), "timing the matmul alone, at 2048^3 and at the step's shapes");
         // the peer's shapes: 2048^3, then c_attn, c_fc and the head at the step's token count
         let (d, v, t) = (config.n_embd, config.vocab_size, 2 * args.pairs * (args.prompt_len + args.resp_len));
         let peer_shapes = measure_gemm(&[(2048, 2048, 2048), (t, d, 3 * d), (t, d, 4 * d), (t, d, v)], &device)?;
@@ -248,6 +249,7 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
     let t_build = Instant::now();
     let policy = Policy::build(spec, None, None, args.seed, DType::F32, &device)?;
     let build_s = t_build.elapsed().as_secs_f64();
+    tracing::info!(config = %if args.tiny { "tiny" } else { "distilgpt2" }, seconds = format_args!("{build_s:.2}"), "model built");
 
     let mut rng = rand::rngs::StdRng::seed_from_u64(args.seed + 1);
     let vocab = config.vocab_size as u32;
@@ -273,8 +275,10 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
     let mut trainer = LocalTrainer::new(settings, OptimConfig::new(args.optim, args.lr), args.seed)?;
 
     let mut losses = Vec::new();
-    for _ in 0..args.warmup {
-        losses.push(trainer.step(&policy, &data)?.loss);
+    for k in 1..=args.warmup {
+        let m = trainer.step(&policy, &data)?;
+        tracing::info!(seconds = format_args!("{:.3}", m.seconds), "warm-up step {k}/{}", args.warmup);
+        losses.push(m.loss);
     }
     let rss_before_timed = peak_rss_mb();
     let mut times = Vec::with_capacity(args.steps);
@@ -283,6 +287,12 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
         let t0 = Instant::now();
         losses.push(trainer.step(&policy, &data)?.loss);
         times.push(t0.elapsed().as_secs_f64());
+        tracing::info!(
+            seconds = format_args!("{:.3}", times[times.len() - 1]),
+            "timed step {}/{}",
+            times.len(),
+            args.steps
+        );
     }
     let cpu_timed = process_cpu_seconds().zip(cpu_before).map(|(after, before)| after - before);
     let med = median(&times);

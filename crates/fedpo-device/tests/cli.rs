@@ -159,14 +159,21 @@ fn missing_backend_names_the_feature_to_build_with() {
 const SMALL_BENCH: &[&str] = &["bench", "--tiny", "--pairs", "1", "--prompt-len", "8", "--resp-len", "8"];
 
 #[test]
-fn bench_prints_the_peer_keys() {
-    let o = fedpo_device(&[SMALL_BENCH, &["--steps", "2", "--warmup", "1"]].concat());
+fn bench_prints_the_peer_keys_on_stdout_and_its_progress_on_stderr() {
+    let args = [SMALL_BENCH, &["--steps", "2", "--warmup", "1"]].concat();
+    let o = Command::new(env!("CARGO_BIN_EXE_fedpo-device")).args(args).env("RUST_LOG", "info").output().expect("runs");
     assert!(o.status.success(), "{}", stderr(&o));
     let report: Value = serde_json::from_slice(&o.stdout).unwrap();
     for key in ["seconds_per_step_median", "pairs_per_second", "peak_rss_mb"] {
         assert!(report[key].as_f64().unwrap() > 0.0, "{key}");
     }
     assert_eq!(report["base_trainable"], true);
+    // threads busy: CPU time over wall time, at most every thread (and scheduler rounding)
+    let (busy, threads) = (report["threads_busy"].as_f64().unwrap(), report["threads"].as_f64().unwrap());
+    assert!(busy > 0.0 && busy <= threads + 0.25, "{busy} of {threads} threads busy");
+    // progress on stderr, the JSON alone on stdout
+    let log = stderr(&o);
+    assert!(log.contains("warm-up step 1/1") && log.contains("timed step 2/2"), "{log}");
 }
 
 #[test]
