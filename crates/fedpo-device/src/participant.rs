@@ -474,8 +474,9 @@ impl Participant {
             peak_rss_mib = format_args!("{:.0}", outcome.metrics.peak_rss_mib.unwrap_or_default()),
             loss = format_args!("{:.4}", outcome.metrics.train_loss),
             train_acc = format_args!("{:.3}", outcome.metrics.reward_acc),
-            heldout_acc = ?outcome.metrics.heldout_acc,
+            heldout_acc = %outcome.metrics.heldout_acc.map_or("none".into(), |a| format!("{a:.3}")),
             seconds = format_args!("{:.1}", outcome.metrics.seconds),
+            start_on_disk = outcome.start_was_on_disk,
             "round trained"
         );
         if plan.secagg.is_some() && !outcome.delta.is_empty() {
