@@ -15,10 +15,10 @@
 #   an embedded broker): pFedDPO in one pass or in passes of 1, 2 and 4 pairs, with frozen
 #   embeddings, FedDPO and shared LoRA, on 120 synthetic pairs (at most 71 tokens); and
 #   pFedDPO with the round's starting model kept on disk (--start-on-disk), in one pass
-#   and in passes of 1.
+#   and in passes of 1; and pFedDPO in bf16 (the composed kernels), in memory and on disk.
 #
 # Peaks are each process's maximum RSS from getrusage (bench, train-local's summary) or
-# /usr/bin/time (the device of a round). About ten minutes on 2 cores.
+# /usr/bin/time (the device of a round). About fifteen minutes on 2 cores.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 out="${1:-$root/fixtures/memory/peaks.jsonl}"
@@ -89,10 +89,10 @@ local_run two-rows 8 sgd false false f32
 local_run bf16 8 sgd false true bf16
 local_run bf16-passes-of-1 1 sgd false true bf16
 
-# round NAME PORT METHOD FREEZE MICRO [DEVICE_FLAG...]
+# round NAME PORT METHOD FREEZE MICRO COMPUTE [DEVICE_FLAG...]
 round() {
-    local name=$1 port=$2 method=$3 freeze=$4 micro=$5 agg_flags=()
-    shift 5
+    local name=$1 port=$2 method=$3 freeze=$4 micro=$5 compute=$6 agg_flags=()
+    shift 6
     [ "$freeze" = true ] && agg_flags+=(--freeze-embeddings)
     "$bin/fedpo-aggregator" serve --embedded-broker "127.0.0.1:$port" --job mem --method "$method" --model distilgpt2 \
         --rounds 1 --per-round 1 --local-steps 2 --batch-pairs 8 --no-final-eval --out "$work/$name-agg" \
@@ -101,7 +101,7 @@ round() {
     sleep 3
     /usr/bin/time -v "$bin/fedpo-device" run --broker "mqtt://127.0.0.1:$port" --job mem --id dev-0 \
         --state-dir "$work/$name-dev" --synthetic-persona 0 --train-pairs 120 --heldout-pairs 40 --max-len 128 \
-        --micro-batch-pairs "$micro" --max-memory 65536 "$@" > "$work/$name.log" 2>&1
+        --micro-batch-pairs "$micro" --compute-dtype "$compute" --max-memory 65536 "$@" > "$work/$name.log" 2>&1
     wait "$agg"
     local seq resp kib
     seq=$(log_field longest_sequence "$work/$name.log")
@@ -110,15 +110,17 @@ round() {
     [ -n "$seq" ] && [ -n "$kib" ] || { echo "round $name logged no memory plan or peak:" >&2; tail -5 "$work/$name.log" >&2; exit 1; }
     echo "round $name: $seq tokens, $resp response" >&2
     START_ON_DISK=$([ "${1:-}" = --start-on-disk ] && echo true || echo false) \
-        record round distilgpt2 "$method" "$freeze" sgd 8 "$micro" "$seq" "$resp" true true true f32 "$(awk -v k="$kib" 'BEGIN { print k / 1024 }')"
+        record round distilgpt2 "$method" "$freeze" sgd 8 "$micro" "$seq" "$resp" true true true "$compute" "$(awk -v k="$kib" 'BEGIN { print k / 1024 }')"
 }
-round pfeddpo 18851 pfeddpo false 8
-round passes-of-1 18852 pfeddpo false 1
-round passes-of-2 18853 pfeddpo false 2
-round passes-of-4 18854 pfeddpo false 4
-round frozen-embeddings 18855 pfeddpo true 8
-round feddpo 18856 feddpo false 8
-round shared-lora 18857 shared-lora false 8
-round start-on-disk 18858 pfeddpo false 8 --start-on-disk
-round start-on-disk-passes-of-1 18859 pfeddpo false 1 --start-on-disk
+round pfeddpo 18851 pfeddpo false 8 f32
+round passes-of-1 18852 pfeddpo false 1 f32
+round passes-of-2 18853 pfeddpo false 2 f32
+round passes-of-4 18854 pfeddpo false 4 f32
+round frozen-embeddings 18855 pfeddpo true 8 f32
+round feddpo 18856 feddpo false 8 f32
+round shared-lora 18857 shared-lora false 8 f32
+round start-on-disk 18858 pfeddpo false 8 f32 --start-on-disk
+round start-on-disk-passes-of-1 18859 pfeddpo false 1 f32 --start-on-disk
+round bf16 18860 pfeddpo false 8 bf16
+round bf16-start-on-disk 18861 pfeddpo false 8 bf16 --start-on-disk
 echo "wrote $(wc -l < "$out") measurements to $out" >&2
