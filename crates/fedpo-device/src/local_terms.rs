@@ -12,6 +12,7 @@ use fedpo_model::{ParamRole, Policy, TensorSource};
 use fedpo_train::terms::{Alignment, AlignmentMode, Grads, Granularity, LocalTerms, Proximal, Scaffold};
 use fedpo_wire::{keys, RoundPlan, TensorPayload};
 
+use crate::memory::StartOnDisk;
 use crate::participant::ParticipantError;
 use crate::state_dir::StateDir;
 
@@ -48,6 +49,20 @@ pub(crate) fn shared_anchor(policy: &Policy, global: &TensorSource) -> Grads {
         .with_role(ParamRole::Shared)
         .filter_map(|p| global.tensors.get(&p.name).map(|t| (p.name.clone(), t.clone())))
         .collect()
+}
+
+/// Where a round under these strategy settings may keep the model it started from, for the
+/// memory plan. FedProx and FedGA measure the distance to it at every step, so their rounds
+/// keep it in memory whatever was asked ([`terms_for`] builds them from the same keys; a
+/// FedGA round without a reference yet is counted as holding it, which only errs large).
+pub(crate) fn start_placement(strategy: &BTreeMap<String, f64>, asked: bool) -> StartOnDisk {
+    let proximal = strategy.get(keys::PROXIMAL_MU).is_some_and(|mu| *mu > 0.0);
+    let alignment = strategy.contains_key(keys::FEDGA_LAMBDA);
+    match (proximal || alignment, asked) {
+        (true, _) => StartOnDisk::Never,
+        (false, true) => StartOnDisk::Always,
+        (false, false) => StartOnDisk::WhenNeeded,
+    }
 }
 
 /// Builds the terms the plan asks for.
@@ -108,4 +123,24 @@ pub(crate) fn save_control(state: &StateDir, control: &HashMap<String, Tensor>) 
     tensors.sort_by(|a, b| a.0.cmp(&b.0));
     let meta = HashMap::from([("format".to_string(), "fedpo-scaffold-control/1".to_string())]);
     Ok(write_safetensors(&state.path(CONTROL_FILE), &tensors, meta)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rounds_whose_terms_hold_the_start_are_planned_with_it_in_memory() {
+        let settings = |pairs: &[(&str, f64)]| pairs.iter().map(|(k, v)| (k.to_string(), *v)).collect();
+        let plain = settings(&[]);
+        assert_eq!(start_placement(&plain, false), StartOnDisk::WhenNeeded);
+        assert_eq!(start_placement(&plain, true), StartOnDisk::Always);
+        for held in [settings(&[(keys::PROXIMAL_MU, 0.01)]), settings(&[(keys::FEDGA_LAMBDA, 0.1)])] {
+            assert_eq!(start_placement(&held, true), StartOnDisk::Never, "{held:?}");
+            assert_eq!(start_placement(&held, false), StartOnDisk::Never, "{held:?}");
+        }
+        // FedProx with mu 0 is FedAvg; SCAFFOLD holds only its variates
+        let free = settings(&[(keys::PROXIMAL_MU, 0.0), (keys::SCAFFOLD, 1.0)]);
+        assert_eq!(start_placement(&free, true), StartOnDisk::Always);
+    }
 }

@@ -20,6 +20,7 @@ use fedpo_wire::{
 };
 use thiserror::Error;
 
+use crate::local_terms::start_placement;
 use crate::memory::{self, longest, PlanError, PlanRequest, StepKernels};
 use crate::round::{train_round, RoundInputs};
 use crate::state_dir::StateDir;
@@ -258,7 +259,7 @@ impl Participant {
             seq_len: seq_len.max(h_seq),
             response_len: response_len.max(h_resp),
             federated: true,
-            may_keep_start_on_disk: true,
+            start_on_disk: start_placement(&plan.strategy, self.cfg.start_on_disk),
             may_freeze_embeddings: false,
             may_shorten: false,
             kernels: StepKernels::for_run(&self.cfg.compute, self.cfg.compute_dtype),

@@ -82,7 +82,8 @@ pub(crate) struct RunArgs {
     micro_batch_pairs: Option<u64>,
     /// Keep each round's starting model on disk (in --state-dir) while training, and read
     /// it back to form the update: one copy of the shared weights less in memory, for one
-    /// write and one read of them per round. --max-memory turns it on when a round needs it.
+    /// write and one read of them per round. --max-memory turns it on when a round needs it;
+    /// with both, every round's plan counts it. FedProx and FedGA rounds keep it in memory.
     #[arg(long)]
     start_on_disk: bool,
     /// CA certificate (PEM) for mqtts://.

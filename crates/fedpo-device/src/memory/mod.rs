@@ -5,7 +5,7 @@ pub mod footprint;
 pub mod planner;
 
 pub use footprint::{Estimate, ParamCounts, StepKernels, Workload, SAFETY_MARGIN, TOKENIZER_MIB};
-pub use planner::{longest, plan, MemoryPlan, PlanError, PlanRequest};
+pub use planner::{longest, plan, MemoryPlan, PlanError, PlanRequest, StartOnDisk};
 
 /// Peak resident set size of this process so far, in MiB (0 where unknown).
 ///

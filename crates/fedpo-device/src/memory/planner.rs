@@ -46,14 +46,26 @@ pub struct PlanRequest {
     pub response_len: usize,
     /// A federated round (it also holds the global model and the upload).
     pub federated: bool,
-    /// The planner may keep a federated round's starting model on disk.
-    pub may_keep_start_on_disk: bool,
+    /// Whether a federated round's starting model may, or must, stay on disk.
+    pub start_on_disk: StartOnDisk,
     /// The planner may freeze the embeddings.
     pub may_freeze_embeddings: bool,
     /// The planner may shorten sequences.
     pub may_shorten: bool,
     /// The kernels training runs on.
     pub kernels: StepKernels,
+}
+
+/// Where a federated round keeps the model it started from while it trains.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StartOnDisk {
+    /// In memory, whatever the budget.
+    Never,
+    /// On disk when nothing else the planner may do first fits the budget.
+    WhenNeeded,
+    /// On disk in every round (`fedpo-device run --start-on-disk`): every estimate counts
+    /// it, so the planner keeps the largest micro-batch that fits with it.
+    Always,
 }
 
 /// A configuration that fits.
@@ -159,9 +171,19 @@ impl PlanRequest {
             .unwrap_or_else(|| (1, self.estimate(1, at)))
     }
 
-    /// Whether a plan may keep the round's start on disk: only a federated round has one.
-    fn start_may_go_to_disk(&self) -> bool {
-        self.federated && self.may_keep_start_on_disk
+    /// Where a plan may keep the round's start, in the order the planner tries them: only a
+    /// federated round has one.
+    fn start_options(&self) -> &'static [bool] {
+        match (self.federated, self.start_on_disk) {
+            (false, _) | (true, StartOnDisk::Never) => &[false],
+            (true, StartOnDisk::WhenNeeded) => &[false, true],
+            (true, StartOnDisk::Always) => &[true],
+        }
+    }
+
+    /// The start's place in the planner's last resort, and in its hints.
+    fn start_on_disk_at_the_least(&self) -> bool {
+        self.start_options().last().copied().unwrap_or(false)
     }
 
     /// The settings at `seq_len` with embeddings as they are and the start in memory.
@@ -210,13 +232,9 @@ pub fn plan(request: &PlanRequest, budget_mib: u64) -> Result<MemoryPlan, PlanEr
             lengths.push(MIN_SEQ_LEN);
         }
     }
-    let mut disk_options = vec![false];
-    if request.start_may_go_to_disk() {
-        disk_options.push(true);
-    }
     for &seq_len in &lengths {
         for &freeze in &freeze_options {
-            for &start_on_disk in &disk_options {
+            for &start_on_disk in request.start_options() {
                 let at = Settings { freeze, seq_len, start_on_disk };
                 if let Some((micro, estimate_mib)) = request.largest_micro_batch(budget, at) {
                     return Ok(MemoryPlan {
@@ -234,7 +252,7 @@ pub fn plan(request: &PlanRequest, budget_mib: u64) -> Result<MemoryPlan, PlanEr
     let at = Settings {
         freeze: *freeze_options.last().unwrap_or(&false),
         seq_len: *lengths.last().unwrap_or(&request.seq_len),
-        start_on_disk: *disk_options.last().unwrap_or(&false),
+        start_on_disk: request.start_on_disk_at_the_least(),
     };
     let (micro, smallest) = request.smallest_footprint(at);
     let smallest_plan = MemoryPlan {
@@ -257,7 +275,7 @@ pub fn plan(request: &PlanRequest, budget_mib: u64) -> Result<MemoryPlan, PlanEr
 fn hint(request: &PlanRequest, budget: f64) -> String {
     let mut hints = Vec::new();
     // What the planner would also do: the start on disk, where allowed.
-    let start_on_disk = request.start_may_go_to_disk();
+    let start_on_disk = request.start_on_disk_at_the_least();
     if !request.may_freeze_embeddings && !request.partition.freeze_embeddings {
         let at = Settings { freeze: true, seq_len: request.seq_len, start_on_disk };
         if let Some((micro, mib)) = request.largest_micro_batch(budget, at) {
@@ -302,7 +320,7 @@ mod tests {
             seq_len: 128,
             response_len: 64,
             federated: true,
-            may_keep_start_on_disk: false,
+            start_on_disk: StartOnDisk::Never,
             may_freeze_embeddings: false,
             may_shorten: false,
             kernels: StepKernels::Fused,
@@ -354,8 +372,12 @@ mod tests {
     #[test]
     fn a_round_keeps_its_start_on_disk_only_when_passes_of_one_pair_do_not_fit() {
         // The synthetic personas' pairs, as a device in a federated job plans them.
-        let request =
-            PlanRequest { seq_len: 71, response_len: 55, may_keep_start_on_disk: true, ..distilgpt2_request() };
+        let request = PlanRequest {
+            seq_len: 71,
+            response_len: 55,
+            start_on_disk: StartOnDisk::WhenNeeded,
+            ..distilgpt2_request()
+        };
         let in_memory = request.estimate(1, request.at_length(71)).peak_mib();
         let on_disk = request.estimate(1, Settings { start_on_disk: true, ..request.at_length(71) }).peak_mib();
         // the received model's 1.25 embedding tables (38.6 M values), with the margin
@@ -374,10 +396,41 @@ mod tests {
         let next = request.estimate(p.micro_batch_pairs + 1, Settings { start_on_disk: true, ..request.at_length(71) });
         assert!(p.micro_batch_pairs == 8 || next.peak_mib() > in_memory - 1.0, "{p}");
 
-        let refused = PlanRequest { may_keep_start_on_disk: false, ..request.clone() };
+        let refused = PlanRequest { start_on_disk: StartOnDisk::Never, ..request.clone() };
         assert!(plan(&refused, (in_memory - 1.0) as u64).is_err());
         let local = PlanRequest { federated: false, ..request };
         assert!(!plan(&local, 300_000).unwrap().start_on_disk, "local training has no round start");
+    }
+
+    #[test]
+    fn a_round_asked_to_keep_its_start_on_disk_is_planned_with_it_from_the_first_estimate() {
+        let when_needed = PlanRequest {
+            seq_len: 71,
+            response_len: 55,
+            start_on_disk: StartOnDisk::WhenNeeded,
+            ..distilgpt2_request()
+        };
+        let always = PlanRequest { start_on_disk: StartOnDisk::Always, ..when_needed.clone() };
+        let on_disk = |m| always.estimate(m, Settings { start_on_disk: true, ..always.at_length(71) }).peak_mib();
+        let in_memory = |m| always.estimate(m, always.at_length(71)).peak_mib();
+        // a budget that holds one pass of 8 pairs only with the start on disk
+        let budget = on_disk(8).ceil();
+        assert!(in_memory(8) > budget);
+        let p = plan(&always, budget as u64).unwrap();
+        assert_eq!((p.micro_batch_pairs, p.start_on_disk), (8, true), "{p}");
+        assert!((p.estimate_mib - on_disk(8)).abs() < 1e-9, "{p}");
+        // left to choose, the planner splits the batch before it goes to disk
+        let q = plan(&when_needed, budget as u64).unwrap();
+        assert!(q.micro_batch_pairs < 8 && !q.start_on_disk, "{q}");
+        // with room to spare the start still goes to disk, and the plan says so
+        let roomy = plan(&always, 64 * 1024).unwrap();
+        assert!(roomy.start_on_disk && roomy.micro_batch_pairs == 8, "{roomy}");
+        assert!(roomy.to_string().contains("starting model on disk"), "{roomy}");
+        // a budget nothing fits is refused at the smallest footprint with the start on disk
+        let Err(PlanError::DoesNotFit { smallest, .. }) = plan(&always, 500) else { panic!("500 MiB fits") };
+        assert!(smallest.contains("on disk"), "{smallest}");
+        // local training has no round start to keep
+        assert!(!plan(&PlanRequest { federated: false, ..always }, 64 * 1024).unwrap().start_on_disk);
     }
 
     #[test]
