@@ -21,6 +21,7 @@ use rand::{Rng, SeedableRng};
 use serde_json::json;
 
 use fedpo_device::memory::peak_rss_mib as peak_rss_mb;
+use fedpo_device::memory::process_cpu_seconds;
 
 #[derive(Debug, Args)]
 pub(crate) struct BenchArgs {
@@ -364,20 +365,6 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
     Ok(())
 }
 
-/// User and system CPU time of the whole process so far, all threads together.
-fn process_cpu_seconds() -> Option<f64> {
-    #[cfg(unix)]
-    {
-        // SAFETY: getrusage only writes into the zeroed struct it is given.
-        let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
-        if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) } == 0 {
-            let seconds = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
-            return Some(seconds(usage.ru_utime) + seconds(usage.ru_stime));
-        }
-    }
-    None
-}
-
 fn rayon_threads() -> usize {
     std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
 }
@@ -409,35 +396,6 @@ mod tests {
                 assert!((extra - shapes[head].flops() / 200e9).abs() < 1e-12);
             }
         }
-    }
-
-    /// This thread's own CPU time: an independent clock for the process-wide one.
-    fn thread_cpu_seconds() -> f64 {
-        // SAFETY: clock_gettime only writes into the zeroed struct it is given.
-        let mut t: libc::timespec = unsafe { std::mem::zeroed() };
-        assert_eq!(unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut t) }, 0);
-        t.tv_sec as f64 + t.tv_nsec as f64 * 1e-9
-    }
-
-    #[test]
-    fn process_cpu_time_adds_up_the_time_every_thread_computed() {
-        // Each thread computes until its own clock says 0.1 s, however long a shared
-        // host makes that take; other tests running in this process only add to the sum.
-        let spin = || {
-            let start = thread_cpu_seconds();
-            let mut x = 0u64;
-            while thread_cpu_seconds() - start < 0.1 {
-                x = std::hint::black_box(x.wrapping_add(1));
-            }
-        };
-        let before = process_cpu_seconds().unwrap();
-        std::thread::scope(|s| {
-            s.spawn(spin);
-            spin();
-        });
-        let spent = process_cpu_seconds().unwrap() - before;
-        // getrusage counts in microseconds (or the scheduler's ticks): allow 10 ms short
-        assert!(spent >= 0.19, "{spent} s of process CPU for two threads computing 0.1 s each");
     }
 
     #[test]

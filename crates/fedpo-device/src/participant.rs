@@ -141,8 +141,8 @@ struct Participant {
     summary: ParticipantSummary,
     /// The micro-batch the memory budget allows for the pending round's model.
     micro_batch_pairs: Option<usize>,
-    /// Whether the memory budget needs rounds to keep their starting model on disk
-    /// (`--start-on-disk` asks for it regardless).
+    /// Whether the pending round keeps its starting model on disk: asked for
+    /// (`--start-on-disk`), or needed by the memory budget.
     start_on_disk: bool,
     /// This process's instance number, sent with every hello.
     instance: u64,
@@ -242,6 +242,7 @@ impl Participant {
     fn fit_memory(&mut self, plan: &RoundPlan) -> Result<(), ParticipantError> {
         let Some(budget) = self.cfg.max_memory_mib else {
             self.micro_batch_pairs = self.cfg.max_micro_batch_pairs;
+            self.start_on_disk = self.cfg.start_on_disk;
             return Ok(());
         };
         let spec: fedpo_model::PolicySpec = serde_json::from_str(&plan.model_spec)
@@ -462,7 +463,7 @@ impl Participant {
                 seed: device_seed(&self.cfg.id),
                 compute: &self.cfg.compute,
                 micro_batch_pairs: self.micro_batch_pairs,
-                start_on_disk: self.start_on_disk || self.cfg.start_on_disk,
+                start_on_disk: self.start_on_disk,
                 compute_dtype: self.cfg.compute_dtype,
             },
             &self.state,
