@@ -6,7 +6,8 @@
 #
 #   scripts/bench_overhead.sh [OUT] [LOCAL_STEPS...]      (default: runs/overhead 2 8 32)
 #
-# CODECS (default "f32 int8") sets the update codecs of the 2-step runs; longer runs use f32.
+# CODECS (default "f32 int8") sets the update codecs of the 2-step runs (run only when 2 is
+# among LOCAL_STEPS); longer runs use f32.
 # BROKER (e.g. mqtt://127.0.0.1:1883) runs through that broker instead of the embedded one.
 # Four rounds: the first two write each checkpoint slot for the first time (fresh page
 # cache pages, the slow case on a virtual machine), rounds 3 and 4 are the steady state.
@@ -44,9 +45,10 @@ PY
 
 echo "| codec | local steps | round | round s | training s (slowest) | outside training s | overhead |"
 echo "|---|---|---|---|---|---|---|"
-for codec in "${codecs[@]}"; do
-    run "steps2-$codec" 2 "$codec"
-done
 for s in "${steps[@]}"; do
-    [ "$s" = 2 ] || run "steps$s-f32" "$s" f32
+    if [ "$s" = 2 ]; then
+        for codec in "${codecs[@]}"; do run "steps2-$codec" 2 "$codec"; done
+    else
+        run "steps$s-f32" "$s" f32
+    fi
 done
