@@ -4,8 +4,6 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::sync::atomic::AtomicBool;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device};
@@ -13,7 +11,7 @@ use common::Wiretap;
 use fedpo_data::synthetic::{generate_device, SyntheticSpec};
 use fedpo_data::{tokenize_pairs, PreferencePair};
 use fedpo_device::memory::{self, longest, PlanRequest, StartOnDisk, StepKernels};
-use fedpo_device::participant::{self, ParticipantConfig, ParticipantError};
+use fedpo_device::participant::{self, ParticipantError};
 use fedpo_model::{Gpt2Config, Gpt2Tokenizer, LoraConfig, Partition, PartitionPreset, PolicySpec};
 use fedpo_transport::{EmbeddedBroker, LinkOptions, MqttLink, Topics};
 use fedpo_wire::{
@@ -45,24 +43,8 @@ fn announce_until_the_device_leaves(
     let broker = EmbeddedBroker::start_on_free_port().unwrap();
     let url = broker.url();
     let tap = Wiretap::start(&url, &format!("fedpo/{job}/#"));
-    let cfg = ParticipantConfig {
-        broker: url.clone(),
-        tls: Default::default(),
-        job: job.into(),
-        id: "pi-4".into(),
-        state_dir: dir.path().join("pi-4"),
-        train,
-        heldout,
-        max_len: MAX_LEN,
-        compute: Device::Cpu,
-        max_memory_mib: Some(budget_mib),
-        max_micro_batch_pairs: None,
-        start_on_disk: false,
-        compute_dtype: DType::F32,
-        trusted_key: None,
-        adversary: None,
-        stop: Arc::new(AtomicBool::new(false)),
-    };
+    let mut cfg = common::participant_config(&url, job, "pi-4", dir.path().join("pi-4"), (train, heldout), MAX_LEN);
+    cfg.max_memory_mib = Some(budget_mib);
     let device = std::thread::spawn(move || participant::run(cfg));
 
     let (manifest, _chunks) = split_payload("r1", &TensorPayload { tensors: Vec::new() }, DEFAULT_CHUNK_BYTES);
