@@ -80,6 +80,23 @@ fn announce_until_the_device_leaves(
     Departure { ended: device.join().unwrap(), byes, dir }
 }
 
+/// A pFedDPO job's model of this shape.
+fn pfeddpo_spec(config: Gpt2Config) -> PolicySpec {
+    PolicySpec { config, lora: Some(LoraConfig::default()), partition: Partition::new(PartitionPreset::Pfeddpo) }
+}
+
+/// The device refused round 1 for memory, naming `budget_mib`, told the aggregator why,
+/// and trained nothing; returns the refusal's text.
+fn assert_left_over_memory(Departure { ended, byes, dir }: Departure, budget_mib: u64) -> String {
+    let err = ended.expect_err("the device refuses the round");
+    assert!(matches!(err, ParticipantError::Memory { round: 1, .. }), "{err}");
+    let text = err.to_string();
+    assert!(text.contains(&format!("--max-memory {budget_mib} MiB cannot hold")), "{text}");
+    assert!(byes.iter().any(|r| r.contains("cannot hold")), "the aggregator is told why: {byes:?}");
+    assert!(!dir.path().join("pi-4/adapter.safetensors").exists(), "nothing trained");
+    text
+}
+
 fn synthetic_pairs() -> (Vec<PreferencePair>, Vec<PreferencePair>) {
     let data =
         generate_device(&SyntheticSpec { heterogeneity: 1.0, train_pairs: 8, heldout_pairs: 4, seed: 0 }, 0).unwrap();
@@ -88,20 +105,9 @@ fn synthetic_pairs() -> (Vec<PreferencePair>, Vec<PreferencePair>) {
 
 #[test]
 fn device_over_its_memory_budget_leaves_the_job_before_downloading_the_model() {
-    let spec = PolicySpec {
-        config: Gpt2Config::distilgpt2(),
-        lora: Some(LoraConfig::default()),
-        partition: Partition::new(PartitionPreset::Pfeddpo),
-    };
-    let Departure { ended, byes, dir } =
-        announce_until_the_device_leaves("mem", synthetic_pairs(), 1000, &spec, BTreeMap::new());
-
-    let err = ended.expect_err("the device refuses the job");
-    assert!(matches!(err, ParticipantError::Memory { round: 1, .. }), "{err}");
-    let text = err.to_string();
-    assert!(text.contains("--max-memory 1000 MiB cannot hold"), "{text}");
-    assert!(byes.iter().any(|r| r.contains("cannot hold")), "the aggregator is told why: {byes:?}");
-    assert!(!dir.path().join("pi-4/adapter.safetensors").exists(), "nothing trained");
+    let spec = pfeddpo_spec(Gpt2Config::distilgpt2());
+    let departure = announce_until_the_device_leaves("mem", synthetic_pairs(), 1000, &spec, BTreeMap::new());
+    assert_left_over_memory(departure, 1000);
 }
 
 /// A FedProx round pulls every step towards the model it started from, so it holds that
@@ -110,11 +116,7 @@ fn device_over_its_memory_budget_leaves_the_job_before_downloading_the_model() {
 /// be planned with its start on disk.
 #[test]
 fn fedprox_device_whose_budget_only_the_start_on_disk_would_meet_leaves_before_downloading() {
-    let spec = PolicySpec {
-        config: Gpt2Config::tiny(),
-        lora: Some(LoraConfig::default()),
-        partition: Partition::new(PartitionPreset::Pfeddpo),
-    };
+    let spec = pfeddpo_spec(Gpt2Config::tiny());
     let pairs = synthetic_pairs();
 
     // The request the device makes of its planner, at its own token counts.
@@ -144,12 +146,7 @@ fn fedprox_device_whose_budget_only_the_start_on_disk_would_meet_leaves_before_d
     assert!(memory::plan(&request(StartOnDisk::Never), budget).is_err(), "nor in memory at {budget} MiB");
 
     let fedprox = BTreeMap::from([(keys::PROXIMAL_MU.to_string(), 0.01)]);
-    let Departure { ended, byes, dir } = announce_until_the_device_leaves("prox", pairs, budget, &spec, fedprox);
-
-    let err = ended.expect_err("the FedProx device refuses the round");
-    assert!(matches!(err, ParticipantError::Memory { round: 1, .. }), "{err}");
-    assert!(err.to_string().contains(&format!("--max-memory {budget} MiB cannot hold")), "{err}");
-    assert!(!err.to_string().contains("on disk"), "its smallest plan keeps the start in memory: {err}");
-    assert!(byes.iter().any(|r| r.contains("cannot hold")), "the aggregator is told why: {byes:?}");
-    assert!(!dir.path().join("pi-4/adapter.safetensors").exists(), "nothing trained");
+    let departure = announce_until_the_device_leaves("prox", pairs, budget, &spec, fedprox);
+    let refusal = assert_left_over_memory(departure, budget);
+    assert!(!refusal.contains("on disk"), "its smallest plan keeps the start in memory: {refusal}");
 }
