@@ -48,7 +48,7 @@ esac
 case "$features" in
     *cuda*|*metal*|*accelerate*)
         echo "cross/build.sh: the $features feature cannot be cross-compiled: build it on the board" \
-             "(README, \"Flashing a fleet\")" >&2
+             "(docs/edge-devices.md, \"Building for a board\")" >&2
         exit 2 ;;
 esac
 feature_args=()

@@ -7,7 +7,7 @@
 #
 # Needs Debian's mosquitto (apt-get install mosquitto). EMBEDDED_DEVICES sets the embedded
 # broker's fleet (default: DEVICES). With hundreds uploading at once, rumqttd and the
-# aggregator's client can stall each other (see the README); such a run fails, the others go on.
+# aggregator's client can stall each other (see docs/benchmarks.md); such a run fails, the others go on.
 set -euo pipefail
 out=${1:-runs/bench-fleet}
 devices=${2:-1000}

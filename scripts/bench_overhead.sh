@@ -11,7 +11,7 @@
 # BROKER (e.g. mqtt://127.0.0.1:1883) runs through that broker instead of the embedded one.
 # Four rounds: the first two write each checkpoint slot for the first time (fresh page
 # cache pages, the slow case on a virtual machine), rounds 3 and 4 are the steady state.
-# The share is 1 - (slowest device's local training) / (round seconds), as in the README.
+# The share is 1 - (slowest device's local training) / (round seconds), as in docs/benchmarks.md.
 # The learning rate is lowered to 0.01 so that 32 local steps stay finite on this tiny
 # data set (at 0.1 a device diverges and the round waits for its deadline); it does not
 # change what a step costs.

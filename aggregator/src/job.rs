@@ -170,6 +170,9 @@ impl JobArgs {
     }
 
     pub(crate) fn validate(&self) -> Result<()> {
+        if self.rounds == 0 {
+            bail!("--rounds must be at least 1: a job trains, then evaluates the model it trained");
+        }
         if self.per_round == 0 {
             bail!("--per-round must be at least 1");
         }

@@ -39,6 +39,10 @@ use fedpo_transport::{LinkOptions, MqttLink};
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Log more: -v for each round's progress (info), -vv for timings (debug). RUST_LOG,
+    /// where set, decides instead.
+    #[arg(short, long, global = true, action = clap::ArgAction::Count)]
+    verbose: u8,
 }
 
 #[derive(Subcommand)]
@@ -103,6 +107,24 @@ pub(crate) fn check_command_line(args: Vec<String>) -> Result<()> {
         Command::Simulate(args) => args.job.validate(),
         Command::Serve(args) => args.job.validate(),
         _ => Ok(()),
+    }
+}
+
+/// The log level a command line asks for when `RUST_LOG` is unset. A simulation or an
+/// experiment prints its own per-round table, so it logs warnings only; `serve` is a
+/// service whose log is its record, so it logs every round's events.
+pub fn default_log_level<I, T>(args: I) -> &'static str
+where
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
+    let Ok(cli) = Cli::try_parse_from(args) else { return "warn" };
+    let quiet = matches!(cli.command, Command::Simulate(_) | Command::Experiment(_) | Command::Plot { .. });
+    match (quiet, cli.verbose) {
+        (true, 0) => "warn",
+        (false, 0) | (_, 1) => "info",
+        (_, 2) => "debug",
+        _ => "trace",
     }
 }
 

@@ -27,8 +27,9 @@ pub(crate) struct RoundRecord {
     pub(crate) reward_acc: BTreeMap<String, f64>,
     /// Reward accuracy on each device's held-out pairs, at the round's start model.
     pub(crate) heldout_acc: BTreeMap<String, f64>,
-    /// Each device's peak resident memory after the round, MiB. Devices simulated in one
-    /// process share that process's number.
+    /// Each device's peak resident memory after the round, MiB: only devices alone in
+    /// their process report it (simulated threads would all report the whole process's).
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub(crate) peak_rss_mib: BTreeMap<String, f64>,
     /// Device → seconds of local training it reported; the rest of the round's
     /// `seconds` is federation overhead (transfers, encoding, hashing, waiting).
@@ -39,11 +40,14 @@ pub(crate) struct RoundRecord {
     /// ‖mean update‖ / (lr · E) that local SGD followed.
     pub(crate) grad_norm: f64,
     /// Gradient diversity mean_i ‖∇F_i(θ_t) − mean‖² (with --diagnostics).
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) kappa2: Option<f64>,
     /// Mean pairwise cosine between device updates, per layer (with --diagnostics).
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub(crate) layer_cos: BTreeMap<String, f64>,
-    /// Of bytes_up, what the diagnostic gradients took.
-    pub(crate) diagnostics_bytes: u64,
+    /// Of bytes_up, what the diagnostic gradients took (with --diagnostics).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) diagnostics_bytes: Option<u64>,
     /// Norm of the change applied to the global model.
     pub(crate) update_norm: f64,
     /// Pair-weighted mean of the devices' first-step gradient norms.
@@ -62,7 +66,9 @@ pub(crate) struct RoundRecord {
     /// Updates scaled down to --clip-norm.
     pub(crate) clipped: usize,
     /// With --dp-noise-multiplier: ε spent so far at `dp_delta`, by the RDP accountant.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) dp_epsilon: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) dp_delta: Option<f64>,
 }
 
@@ -119,5 +125,75 @@ pub(crate) fn mean(values: &BTreeMap<String, f64>) -> f64 {
         0.0
     } else {
         values.values().sum::<f64>() / values.len() as f64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The names of a struct's fields as serde sees them, from the list its derived
+    /// `Deserialize` hands to `deserialize_struct`; fields skipped when empty count too.
+    fn field_names<'de, T: Deserialize<'de>>() -> &'static [&'static str] {
+        struct Names(Option<&'static [&'static str]>);
+        impl<'de> serde::Deserializer<'de> for &mut Names {
+            type Error = serde::de::value::Error;
+            fn deserialize_any<V: serde::de::Visitor<'de>>(self, _: V) -> Result<V::Value, Self::Error> {
+                Err(serde::de::Error::custom("only a struct's field names are read"))
+            }
+            fn deserialize_struct<V: serde::de::Visitor<'de>>(
+                self,
+                _name: &'static str,
+                fields: &'static [&'static str],
+                visitor: V,
+            ) -> Result<V::Value, Self::Error> {
+                self.0 = Some(fields);
+                self.deserialize_any(visitor)
+            }
+            serde::forward_to_deserialize_any! {
+                bool i8 i16 i32 i64 i128 u8 u16 u32 u64 u128 f32 f64 char str string bytes byte_buf
+                option unit unit_struct newtype_struct seq tuple tuple_struct map enum identifier
+                ignored_any
+            }
+        }
+        let mut names = Names(None);
+        let _ = T::deserialize(&mut names);
+        names.0.expect("a struct")
+    }
+
+    /// The keys a table of `docs/metrics.md` names in its first column, under `heading`.
+    fn documented_keys(heading: &str) -> Vec<String> {
+        let page = include_str!("../../docs/metrics.md");
+        let section = page.split("\n## ").find(|s| s.starts_with(heading)).expect("the section");
+        section
+            .lines()
+            .filter_map(|l| l.strip_prefix("| "))
+            .filter_map(|l| l.split(" |").next())
+            .flat_map(|cell| cell.split(", "))
+            .filter_map(|k| k.strip_prefix('`')?.strip_suffix('`').map(str::to_string))
+            .collect()
+    }
+
+    #[test]
+    fn every_written_key_is_in_the_metrics_reference() {
+        for (heading, fields) in
+            [("`metrics.jsonl`", field_names::<RoundRecord>()), ("`summary.json`", field_names::<Summary>())]
+        {
+            let documented = documented_keys(heading);
+            let missing: Vec<_> = fields.iter().filter(|f| !documented.iter().any(|d| d == *f)).collect();
+            assert!(missing.is_empty(), "docs/metrics.md's {heading} table does not name {missing:?}");
+            let stale: Vec<_> = documented.iter().filter(|d| !fields.contains(&d.as_str())).collect();
+            assert!(stale.is_empty(), "docs/metrics.md's {heading} table names keys never written: {stale:?}");
+        }
+    }
+
+    #[test]
+    fn keys_of_features_not_in_use_are_left_out_not_null() {
+        let line = serde_json::to_value(RoundRecord::default()).unwrap();
+        for key in ["kappa2", "layer_cos", "diagnostics_bytes", "dp_epsilon", "dp_delta", "peak_rss_mib"] {
+            assert!(line.get(key).is_none(), "{key} written without its feature: {line}");
+        }
+        let back: RoundRecord = serde_json::from_value(line).unwrap();
+        assert_eq!(back, RoundRecord::default(), "a record without them reads back");
     }
 }

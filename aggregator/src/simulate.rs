@@ -186,6 +186,7 @@ impl SimulateArgs {
                 start_on_disk: false,
                 compute_dtype: candle_core::DType::F32,
                 trusted_key: trusted_key.as_deref().map(PlanVerifier::parse).transpose()?,
+                alone_in_process: false,
                 adversary: (k < self.attackers).then_some(self.attack),
                 stop: stop.clone(),
             };

@@ -14,7 +14,10 @@ fn a_small_synthetic_fleet_is_aggregated_whole_and_reported() {
         .arg(&out)
         .status()
         .unwrap();
-    assert!(status.success(), "bench-fleet failed: see {}", out.join("aggregator.log").display());
+    if !status.success() {
+        let kept = dir.keep();
+        panic!("bench-fleet failed: see {}", kept.join("bench/aggregator.log").display());
+    }
     let report: serde_json::Value =
         serde_json::from_slice(&std::fs::read(out.join("fleet_bench.json")).unwrap()).unwrap();
     let rounds = report["rounds"].as_array().unwrap();

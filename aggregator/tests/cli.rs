@@ -90,3 +90,52 @@ fn simulate_refuses_a_zero_memory_budget_or_micro_batch() {
         assert!(!ok && err.contains(flag) && err.contains('0'), "{flag}: {err}");
     }
 }
+
+/// A failure is one plain line naming the flag and its limit: no backtrace even where
+/// `RUST_BACKTRACE` is set for panics, no colour codes in a redirected stream.
+#[test]
+fn zero_rounds_are_refused_in_one_plain_line_even_with_rust_backtrace_set() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_fedpo-aggregator"))
+        .args(["simulate", "--rounds", "0", "--out", dir.path().to_str().unwrap()])
+        .env("RUST_BACKTRACE", "1")
+        .env_remove("RUST_LIB_BACKTRACE")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.starts_with("error: --rounds must be at least 1"), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(!dir.path().join("metrics.jsonl").exists(), "nothing ran");
+}
+
+/// The demo's output: the round table and the final table on stdout, and on stderr
+/// nothing at all when all goes well (no info lines, no warning about a plan key the
+/// simulation itself controls, no broker errors for devices hanging up). `-v` adds the
+/// rounds' events, as plain text when stderr is not a terminal.
+#[test]
+fn a_simulation_prints_its_tables_and_logs_nothing_else_unless_asked() {
+    let dir = tempfile::tempdir().unwrap();
+    let simulate = |out: &str, extra: &[&str]| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_fedpo-aggregator"));
+        cmd.args(["simulate", "--devices", "2", "--rounds", "2", "--per-round", "2", "--local-steps", "1"])
+            .args(["--model", "tiny", "--train-pairs", "8", "--heldout-pairs", "4", "--max-len", "64", "--out", out])
+            .args(extra)
+            .env_remove("RUST_LOG")
+            .env_remove("NO_COLOR");
+        let output = cmd.output().unwrap();
+        assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+        (String::from_utf8(output.stdout).unwrap(), String::from_utf8(output.stderr).unwrap())
+    };
+
+    let (stdout, stderr) = simulate(dir.path().join("quiet").to_str().unwrap(), &[]);
+    for line in ["round   1/2  devices 2/2", "round   2/2  devices 2/2", "final eval  devices 2/2", "mean "] {
+        assert!(stdout.contains(line), "stdout lacks `{line}`:\n{stdout}");
+    }
+    assert_eq!(stderr, "", "a quiet run logs nothing");
+
+    let (_, verbose) = simulate(dir.path().join("verbose").to_str().unwrap(), &["-v"]);
+    assert!(verbose.contains(" INFO ") && verbose.contains("update accepted"), "{verbose}");
+    assert!(!verbose.contains('\u{1b}'), "colour codes in a redirected log:\n{verbose}");
+    assert!(!verbose.contains("ERROR") && !verbose.contains("trust"), "{verbose}");
+}

@@ -36,7 +36,7 @@ fn metric_rounds(out: &std::path::Path) -> Vec<u64> {
 
 #[test]
 fn aggregator_restarted_with_resume_continues_at_the_next_round_from_the_checkpointed_model() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = fedpo_tests::TestDir::new();
     let broker = EmbeddedBroker::start_on_free_port().unwrap();
     let url = broker.url();
     let tap = Wiretap::start(&url, "fedpo/resume/#");

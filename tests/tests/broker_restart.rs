@@ -50,7 +50,7 @@ fn start_mosquitto(dir: &Path, port: u16) -> Child {
 
 #[test]
 fn a_broker_restarted_mid_round_loses_no_update_and_the_model_is_the_mean_of_them() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = fedpo_tests::TestDir::new();
     let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let mut broker = start_mosquitto(dir.path(), port);
     let direct = BrokerUrl::parse(&format!("mqtt://127.0.0.1:{port}")).unwrap();

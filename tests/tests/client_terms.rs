@@ -47,7 +47,7 @@ fn run_job(
 
 #[test]
 fn identical_devices_have_zero_gradient_diversity_and_aligned_updates() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = fedpo_tests::TestDir::new();
     // pFedDPO's fresh adapters have B = 0, so they do not change the model: with the same
     // pairs, every device's gradient and first step are the same.
     let extra = ["--method", "pfeddpo", "--rounds", "1", "--local-steps", "1", "--diagnostics", "--no-final-eval"];
@@ -57,10 +57,8 @@ fn identical_devices_have_zero_gradient_diversity_and_aligned_updates() {
     let kappa2 = r["kappa2"].as_f64().unwrap();
     assert!(grad_norm > 1e-3, "a zero gradient would make κ² = 0 trivially: {grad_norm}");
     assert!(kappa2 <= 1e-10 * grad_norm * grad_norm, "κ² = {kappa2} with |g| = {grad_norm}");
-    // Every device reports its peak memory with its update.
-    let peaks = r["peak_rss_mib"].as_object().unwrap();
-    assert_eq!(peaks.len(), 3, "{peaks:?}");
-    assert!(peaks.values().all(|v| v.as_f64().unwrap() > 10.0), "{peaks:?}");
+    // The devices are threads of this process: none reports the process's peak as its own.
+    assert!(r.get("peak_rss_mib").is_none(), "{r}");
     let layer_cos = r["layer_cos"].as_object().unwrap();
     assert!(layer_cos.len() > 5, "{layer_cos:?}");
     for (layer, cos) in layer_cos {
@@ -82,7 +80,7 @@ fn identical_devices_have_zero_gradient_diversity_and_aligned_updates() {
 
 #[test]
 fn scaffold_and_fedga_send_their_tensors_as_named_sections_and_diverse_devices_have_positive_kappa2() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = fedpo_tests::TestDir::new();
     let common = ["--method", "pfeddpo", "--rounds", "2", "--local-steps", "2", "--diagnostics", "--no-final-eval"];
     let scaffold = [&common[..], &["--client-term", "scaffold"]].concat();
     let (records, heard) = run_job("scaffold", &dir.path().join("scaffold"), false, &scaffold);

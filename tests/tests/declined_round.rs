@@ -12,7 +12,7 @@ const JOB: &str = "declined";
 
 #[test]
 fn a_declined_round_closes_without_waiting_for_its_deadline() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = fedpo_tests::TestDir::new();
     let broker = EmbeddedBroker::start_on_free_port().unwrap();
     let url = broker.url();
     let out = dir.path().join("aggregator");

@@ -39,7 +39,7 @@ fn wait_for(tap: &Wiretap, within: Duration, what: &str, want: impl Fn(&Message)
 
 #[test]
 fn killed_device_is_left_out_of_its_round_and_rejoins_the_next_with_its_adapter() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = fedpo_tests::TestDir::new();
     let broker = EmbeddedBroker::start_on_free_port().unwrap();
     let url = broker.url();
     let tap = Wiretap::start(&url, "fedpo/kill/#");
@@ -76,6 +76,12 @@ fn killed_device_is_left_out_of_its_round_and_rejoins_the_next_with_its_adapter(
     assert_eq!(participants(1), ["dev-0", "dev-1", "dev-2"]);
     assert_eq!(participants(2), ["dev-0", "dev-1"], "round 2 closed without the killed device");
     assert_eq!(participants(3), ["dev-0", "dev-1", "dev-2"], "the restarted device took part again");
+    // Each device is a process of its own, so each reports its own peak memory.
+    for r in records.iter().filter(|r| r["round"] == 1) {
+        let peaks = r["peak_rss_mib"].as_object().unwrap_or_else(|| panic!("peaks recorded: {r}"));
+        assert_eq!(peaks.keys().collect::<Vec<_>>(), ["dev-0", "dev-1", "dev-2"], "{r}");
+        assert!(peaks.values().all(|v| v.as_f64().unwrap() > 10.0), "{peaks:?}");
+    }
     assert!(
         round2_closed_after < Duration::from_secs(120),
         "round 2 closed {round2_closed_after:?} after the kill, well before its 300 s deadline"

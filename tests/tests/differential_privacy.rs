@@ -43,7 +43,7 @@ fn simulate(out: &Path, extra: &[&str]) -> Result<(), String> {
 
 #[test]
 fn each_round_reports_the_privacy_spent_and_a_resume_cannot_change_the_noise() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = fedpo_tests::TestDir::new();
     let out = dir.path().join("job");
     simulate(&out, &["--rounds", "2", "--dp-noise-multiplier", "1"]).unwrap();
     let records: Vec<serde_json::Value> = std::fs::read_to_string(out.join("metrics.jsonl"))
@@ -68,7 +68,7 @@ fn each_round_reports_the_privacy_spent_and_a_resume_cannot_change_the_noise() {
 
 #[test]
 fn dp_refuses_settings_whose_outputs_it_would_not_cover() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = fedpo_tests::TestDir::new();
     let err =
         simulate(&dir.path().join("a"), &["--rounds", "1", "--dp-noise-multiplier", "1", "--diagnostics"]).unwrap_err();
     assert!(err.contains("--diagnostics"), "{err}");

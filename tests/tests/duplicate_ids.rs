@@ -22,7 +22,7 @@ const TWIN: &str = "dev-2";
 
 #[test]
 fn two_devices_claiming_one_id_are_left_out_and_the_rounds_run_with_the_rest() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = fedpo_tests::TestDir::new();
     let broker = EmbeddedBroker::start_on_free_port().unwrap();
     let url = broker.url();
     let tap = Wiretap::start(&url, "fedpo/#");

@@ -42,7 +42,7 @@ fn duplicate_everything_from(url: &BrokerUrl, device: &str) -> std::thread::Join
 
 #[test]
 fn duplicates_count_once_and_nan_late_or_corrupted_updates_change_nothing() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = fedpo_tests::TestDir::new();
     let broker = EmbeddedBroker::start_on_free_port().unwrap();
     let url = broker.url();
     let tap = Wiretap::start(&url, "fedpo/#");

@@ -43,7 +43,7 @@ fn contains_any(haystack: &[u8], needles: &HashSet<u64>) -> bool {
 
 #[test]
 fn fleet_over_the_embedded_broker_averages_by_pairs_and_never_sends_an_adapter() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = fedpo_tests::TestDir::new();
     let broker = EmbeddedBroker::start_on_free_port().unwrap();
     let url = broker.url();
     let tap = Wiretap::start(&url, "fedpo/#");

@@ -43,7 +43,7 @@ fn helper_uploads_half_an_update_and_waits_to_be_killed() {
 
 #[test]
 fn a_device_killed_mid_upload_is_left_out_and_the_model_is_the_mean_of_the_rest() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = fedpo_tests::TestDir::new();
     let broker = EmbeddedBroker::start_on_free_port().unwrap();
     let url = broker.url();
     let tap = Wiretap::start(&url, "fedpo/#");

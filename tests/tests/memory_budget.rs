@@ -27,7 +27,7 @@ struct Departure {
     /// The reasons it gave the aggregator.
     byes: Vec<String>,
     /// Its state dir's parent.
-    dir: tempfile::TempDir,
+    dir: fedpo_tests::TestDir,
 }
 
 /// Plays the aggregator towards one device, `pi-4`, with `budget_mib`: announces round 1
@@ -39,7 +39,7 @@ fn announce_until_the_device_leaves(
     spec: &PolicySpec,
     strategy: BTreeMap<String, f64>,
 ) -> Departure {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = fedpo_tests::TestDir::new();
     let broker = EmbeddedBroker::start_on_free_port().unwrap();
     let url = broker.url();
     let tap = Wiretap::start(&url, &format!("fedpo/{job}/#"));

@@ -92,7 +92,7 @@ fn options(client_id: &str, dir: &Path, identity: &str) -> LinkOptions {
 
 #[test]
 fn fleet_runs_through_mosquitto_with_mtls_and_a_device_cannot_publish_as_another() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = fedpo_tests::TestDir::new();
     let certs = dir.path().join("certs");
     let devices = ["dev-0", "dev-1", "dev-2"];
     let broker = Mosquitto::start(&certs, &devices);
@@ -149,6 +149,7 @@ fn fleet_runs_through_mosquitto_with_mtls_and_a_device_cannot_publish_as_another
                 start_on_disk: false,
                 compute_dtype: candle_core::DType::F32,
                 trusted_key: None,
+                alone_in_process: false,
                 adversary: None,
                 stop: Arc::new(AtomicBool::new(false)),
             };

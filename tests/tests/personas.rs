@@ -68,7 +68,7 @@ fn policy_trained_on_one_persona_beats_chance_on_it_and_loses_on_its_opposite() 
     );
 
     // The private adapter survives a save/load cycle with its scores intact.
-    let dir = tempfile::tempdir().unwrap();
+    let dir = fedpo_tests::TestDir::new();
     let path = dir.path().join("adapter.safetensors");
     save_adapter(&policy, &path).unwrap();
     let saved = load_adapter(&path, &Device::Cpu).unwrap();

@@ -35,7 +35,7 @@ fn wait_for_updates(tap: &Wiretap, device: &str, n: usize, within: Duration) -> 
 
 #[test]
 fn a_plan_resent_for_others_does_not_make_a_device_upload_twice_but_a_new_epoch_does() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = fedpo_tests::TestDir::new();
     let broker = EmbeddedBroker::start_on_free_port().unwrap();
     let url = broker.url();
     let tap = Wiretap::start(&url, "fedpo/resend/#");

@@ -15,7 +15,7 @@ const JOB: &str = "retrained";
 
 #[test]
 fn a_second_update_for_a_round_already_counted_changes_nothing() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = fedpo_tests::TestDir::new();
     let broker = EmbeddedBroker::start_on_free_port().unwrap();
     let url = broker.url();
     let tap = Wiretap::start(&url, "fedpo/#");

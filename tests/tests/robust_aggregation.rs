@@ -53,7 +53,7 @@ fn heldout_accuracy(dir: &Path, name: &str, extra: &[&str]) -> f64 {
 
 #[test]
 fn median_and_trimmed_mean_keep_accuracy_near_the_attack_free_run_where_the_mean_loses_it() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = fedpo_tests::TestDir::new();
     let clean = heldout_accuracy(dir.path(), "clean", &[]);
     assert!(clean >= 0.9, "the attack-free fleet must learn the task for this test to mean anything: {clean}");
 
@@ -75,7 +75,7 @@ fn median_and_trimmed_mean_keep_accuracy_near_the_attack_free_run_where_the_mean
 
 #[test]
 fn a_rule_that_cannot_tolerate_the_byzantine_count_is_refused_before_any_round() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = fedpo_tests::TestDir::new();
     let out = dir.path().join("krum");
     let args = [
         "fedpo-aggregator",

@@ -84,7 +84,7 @@ fn run(dir: &Path, job: &str, secure: bool, with_quitter: bool) -> Run {
 
 #[test]
 fn secure_rounds_give_the_plain_mean_carry_only_masked_words_and_survive_a_device_leaving() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = fedpo_tests::TestDir::new();
     let plain = run(dir.path(), "plain", false, false);
     let secure = run(dir.path(), "secure", true, false);
     let dropout = run(dir.path(), "dropout", true, true);
@@ -141,7 +141,7 @@ fn correlation(a: &[f64], b: &[f64]) -> f64 {
 
 #[test]
 fn secure_aggregation_refuses_rules_that_need_individual_updates() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = fedpo_tests::TestDir::new();
     for (flags, needle) in [
         (&["--aggregation", "median", "--byzantine", "1"][..], "median needs every device's own update"),
         (&["--max-update-norm", "1"][..], "--max-update-norm"),

@@ -24,7 +24,7 @@ fn signing_key(dir: &Path) -> (std::path::PathBuf, String) {
 
 #[test]
 fn devices_train_only_on_plans_signed_by_the_key_they_pin() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = fedpo_tests::TestDir::new();
     let (key, public) = signing_key(&dir.path().join("aggregator-keys"));
     let (_, stranger) = signing_key(&dir.path().join("other-keys"));
     assert_ne!(public, stranger);
@@ -68,6 +68,7 @@ fn devices_train_only_on_plans_signed_by_the_key_they_pin() {
                 start_on_disk: false,
                 compute_dtype: candle_core::DType::F32,
                 trusted_key: Some(PlanVerifier::parse(pinned).unwrap()),
+                alone_in_process: false,
                 adversary: None,
                 stop: Arc::new(AtomicBool::new(false)),
             };

@@ -57,7 +57,7 @@ fn run_job(dir: &Path, start_on_disk: bool) -> (Vec<TensorPayload>, ParticipantS
 
 #[test]
 fn updates_formed_against_a_start_kept_on_disk_match_those_formed_in_memory() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = fedpo_tests::TestDir::new();
     let (in_memory, held) = run_job(&dir.path().join("memory"), false);
     let (on_disk, spilled) = run_job(&dir.path().join("disk"), true);
     assert!(held.rounds_with_start_on_disk.is_empty(), "{held:?}");

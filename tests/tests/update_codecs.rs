@@ -90,7 +90,7 @@ fn device_bytes(record: &serde_json::Value, device: &str) -> f64 {
 
 #[test]
 fn int8_updates_take_about_a_quarter_of_the_f32_bytes_and_the_model_is_their_decoded_mean() {
-    let (f32_dir, int8_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (f32_dir, int8_dir) = (fedpo_tests::TestDir::new(), fedpo_tests::TestDir::new());
     let plain = run(f32_dir.path(), "f32", 2, 3, false);
     let int8 = run(int8_dir.path(), "int8", 2, 3, false);
 
@@ -114,7 +114,7 @@ fn int8_updates_take_about_a_quarter_of_the_f32_bytes_and_the_model_is_their_dec
 
 #[test]
 fn top_k_devices_send_their_largest_entries_and_keep_the_rest_for_later_rounds() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = fedpo_tests::TestDir::new();
     let job = run(dir.path(), "topk:0.05", 3, 3, false);
 
     let shared = job.rounds[&1].global.as_ref().unwrap();
@@ -153,7 +153,7 @@ fn top_k_devices_send_their_largest_entries_and_keep_the_rest_for_later_rounds()
 
 #[test]
 fn an_update_encoded_otherwise_than_the_plan_asks_is_refused_by_name() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = fedpo_tests::TestDir::new();
     let mut job = run(dir.path(), "bf16", 1, 2, true);
     let reason = job.records[0]["rejected"]["dev-x"].as_str().expect("the f32 update was refused");
     assert!(reason.contains("is f32") && reason.contains("asks for bf16"), "{reason}");

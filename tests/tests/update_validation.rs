@@ -49,7 +49,7 @@ fn run(dir: &Path, max_update_norm: &str) -> (serde_json::Value, String, String)
 
 #[test]
 fn updates_over_the_norm_bound_are_refused_and_leave_the_model_unchanged() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = fedpo_tests::TestDir::new();
     let (record, start, end) = run(dir.path(), "1e-9");
     let rejected = record["rejected"].as_object().unwrap();
     assert_eq!(rejected.len(), 3, "{rejected:?}");
@@ -59,7 +59,7 @@ fn updates_over_the_norm_bound_are_refused_and_leave_the_model_unchanged() {
     assert_eq!(record["participants"], serde_json::json!([]));
     assert_eq!(start, end, "refused updates changed the global model");
 
-    let dir = tempfile::tempdir().unwrap();
+    let dir = fedpo_tests::TestDir::new();
     let (record, start, end) = run(dir.path(), "1e9");
     assert!(record["rejected"].as_object().unwrap().is_empty());
     assert_eq!(record["participants"].as_array().unwrap().len(), 3);

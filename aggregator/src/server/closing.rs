@@ -30,7 +30,7 @@ impl Server {
             peak_rss_mib: open.reported.iter().filter_map(|(d, (_, m))| Some((d.clone(), m.peak_rss_mib?))).collect(),
             train_seconds: open.reported.iter().map(|(d, (_, m))| (d.clone(), m.seconds)).collect(),
             device_grad_norm: weighted(&|m| m.grad_norm),
-            diagnostics_bytes: open.diagnostics_bytes,
+            diagnostics_bytes: self.job.diagnostics.then_some(open.diagnostics_bytes),
             bytes_up: open.bytes_up,
             bytes_up_by_device: open.bytes_up_by_device.clone(),
             bytes_down: open.bytes_down,

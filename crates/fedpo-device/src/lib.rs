@@ -7,6 +7,7 @@
 pub mod adversary;
 pub mod allocator;
 mod local_terms;
+pub mod logging;
 pub mod memory;
 pub mod participant;
 mod round;

@@ -17,7 +17,7 @@ mod train_local;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
-use tracing_subscriber::EnvFilter;
+use fedpo_device::logging;
 
 #[derive(Parser)]
 #[command(name = "fedpo-device", version, about = "fedpo edge device: local DPO training, scoring and benchmarks")]
@@ -44,13 +44,16 @@ enum Command {
     Bench(bench::BenchArgs),
 }
 
-fn main() -> Result<()> {
+fn main() {
     fedpo_device::threads::park_idle_candle_workers_quickly();
     fedpo_device::allocator::keep_freed_memory_in_heap();
-    tracing_subscriber::fmt()
-        .with_env_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,rumqttc=warn")))
-        .with_writer(std::io::stderr)
-        .init();
+    logging::init("info");
+    if let Err(e) = run_command() {
+        logging::exit_with(&e);
+    }
+}
+
+fn run_command() -> Result<()> {
     let args = config_file::expand(std::env::args_os().collect())?;
     match Cli::parse_from(args).command {
         Command::TrainLocal(args) => train_local::run(args),

@@ -105,6 +105,10 @@ pub struct ParticipantConfig {
     /// The aggregator's pinned public key: plans (and so models) whose signature does not
     /// verify are refused. `None` accepts any plan.
     pub trusted_key: Option<PlanVerifier>,
+    /// This device is alone in its process (`fedpo-device run`), so the process's peak
+    /// resident memory is its own and goes with each update. Devices simulated in one
+    /// process leave it out rather than each report the whole process's.
+    pub alone_in_process: bool,
     /// Simulations only: poison every uploaded update this way.
     pub adversary: Option<crate::adversary::Adversary>,
     /// Set to stop the participant between rounds.
@@ -198,9 +202,6 @@ pub fn run(cfg: ParticipantConfig) -> Result<ParticipantSummary, ParticipantErro
     };
     let span = tracing::info_span!("device", id = %p.cfg.id);
     let _enter = span.enter();
-    if p.cfg.trusted_key.is_none() {
-        tracing::warn!("no trusted aggregator key: any client that may publish plans can direct this device");
-    }
     if let Err(e) = p.event_loop() {
         if matches!(e, ParticipantError::Memory { .. }) {
             let bye = Message::Bye(DeviceBye::new(p.cfg.id.clone(), &e.to_string()));
@@ -451,7 +452,7 @@ impl Participant {
         tracing::debug!(seconds = format_args!("{:.3}", decoding.elapsed().as_secs_f64()), "model decoded");
         let model_digest = hex::encode(&plan.global_model.digest);
         let mut progress = self.state.progress()?;
-        let outcome = train_round(
+        let mut outcome = train_round(
             RoundInputs {
                 plan,
                 global,
@@ -472,8 +473,11 @@ impl Participant {
         if outcome.start_was_on_disk {
             self.summary.rounds_with_start_on_disk.push(plan.round);
         }
+        if !self.cfg.alone_in_process {
+            outcome.metrics.peak_rss_mib = None;
+        }
         tracing::info!(
-            peak_rss_mib = format_args!("{:.0}", outcome.metrics.peak_rss_mib.unwrap_or_default()),
+            peak_rss_mib = %outcome.metrics.peak_rss_mib.map_or("shared".into(), |m| format!("{m:.0}")),
             loss = format_args!("{:.4}", outcome.metrics.train_loss),
             train_acc = format_args!("{:.3}", outcome.metrics.reward_acc),
             heldout_acc = %outcome.metrics.heldout_acc.map_or("none".into(), |a| format!("{a:.3}")),

@@ -147,9 +147,13 @@ pub(crate) fn run(args: RunArgs) -> Result<()> {
         start_on_disk: args.start_on_disk,
         compute_dtype: args.compute_dtype,
         trusted_key: args.trust_key.as_deref().map(PlanVerifier::parse).transpose()?,
+        alone_in_process: true,
         adversary: None,
         stop,
     };
+    if cfg.trusted_key.is_none() {
+        tracing::warn!("no --trust-key: any client that may publish plans can direct this device");
+    }
     let summary = participant::run(cfg)?;
     tracing::info!(rounds = ?summary.rounds, bytes_up = summary.bytes_up, bytes_down = summary.bytes_down, "left the job");
     Ok(())

@@ -127,7 +127,7 @@ fn the_fused_fit_reproduces_each_benchmark_step_within_sixteen_percent() {
 
 #[test]
 fn distilgpt2_pfeddpo_rounds_fit_a_two_gigabyte_board() {
-    // The README's claim: a federated pFedDPO round on DistilGPT-2 with the synthetic
+    // docs/edge-devices.md's claim: a federated pFedDPO round on DistilGPT-2 with the synthetic
     // pairs, in one pass, is planned (and measured) under 2 GiB.
     let rounds: Vec<Measured> = measured()
         .into_iter()

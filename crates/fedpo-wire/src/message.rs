@@ -197,7 +197,7 @@ pub struct UpdateMetrics {
     pub reward_acc: f64,
     /// Reward accuracy on its held-out pairs.
     pub heldout_acc: Option<f64>,
-    /// Norm of its last local gradient.
+    /// Norm of its first local step's gradient: at the received model, before any update.
     pub grad_norm: f64,
     /// Wall time of local training.
     pub seconds: f64,

@@ -177,6 +177,7 @@ pub fn participant_config(
         start_on_disk: false,
         compute_dtype: candle_core::DType::F32,
         trusted_key: None,
+        alone_in_process: false,
         adversary: None,
         stop: Arc::new(AtomicBool::new(false)),
     }
@@ -230,7 +231,7 @@ pub fn gap_from_weighted_mean(
     worst
 }
 
-/// Debian's `mosquitto` (`.ci/run` installs it).
+/// Debian's `mosquitto` (`scripts/test.sh` installs it).
 pub fn mosquitto_binary() -> PathBuf {
     let candidates = std::env::var_os("PATH")
         .map(|p| std::env::split_paths(&p).map(|d| d.join("mosquitto")).collect::<Vec<_>>())
@@ -239,5 +240,5 @@ pub fn mosquitto_binary() -> PathBuf {
         .into_iter()
         .chain([PathBuf::from("/usr/sbin/mosquitto")])
         .find(|p| p.is_file())
-        .expect("mosquitto is not installed (apt-get install mosquitto; .ci/run does)")
+        .expect("mosquitto is not installed: scripts/test.sh installs it (or apt-get install mosquitto)")
 }
