@@ -3,17 +3,22 @@
 //! folded into the round's sums.
 
 use anyhow::{bail, Result};
-use fedpo_wire::{keys, Bundle, BundleBytes, BundleProgress, TensorPayload, TransferChunk, Update};
+use fedpo_wire::{
+    byte_bounds, keys, Bundle, BundleBytes, BundleProgress, TensorPayload, TransferChunk, Update, UpdateCodec,
+    WireDType,
+};
 
 use super::{OpenRound, Server};
 use crate::accumulator::WeightedSum;
+use crate::global_model::GlobalModel;
 
 /// Updates in flight whose chunks wait in memory; later ones are spooled to files.
 pub(super) const UPDATES_IN_MEMORY: usize = 2;
 
 impl Server {
-    pub(super) fn start_update(&mut self, open: &mut OpenRound, device: &str, u: Update) {
-        let refuse = |why: String| tracing::warn!(%device, round = u.round, "update refused: {why}");
+    pub(super) fn start_update(&mut self, open: &mut OpenRound, device: &str, mut u: Update) {
+        let round = u.round;
+        let refuse = |why: String| tracing::warn!(%device, round, "update refused: {why}");
         if u.device != device {
             return refuse(format!("it names device `{}` but came on {device}'s topic", u.device));
         }
@@ -29,6 +34,22 @@ impl Server {
         if open.transfers.get(device).is_some_and(|(_, b)| b.manifest() == &u.update) {
             return; // the same update announced again while its chunks are arriving
         }
+        // Refused for good: the same announcement again would be refused again, so the
+        // round stops waiting for this device.
+        let refuse_for_good = |open: &mut OpenRound, why: String| {
+            open.rejected.insert(device.to_string(), why.clone());
+            open.refused.insert(device.to_string());
+            refuse(why)
+        };
+        if let Err(why) = check_metrics(&u.metrics) {
+            return refuse_for_good(open, why);
+        }
+        // A device weighs what it declared when it joined, whatever an update claims.
+        let declared = self.state.devices.get(device).map_or(0, |d| d.pairs);
+        if u.pairs > declared {
+            tracing::warn!(%device, claimed = u.pairs, declared, "update claims more pairs than the device's hello; counted as declared");
+            u.pairs = declared;
+        }
         let transfer = format!("r{}/{device}", open.round);
         if u.update.transfer != transfer {
             return refuse(format!("transfer id `{}` is not {transfer}", u.update.transfer));
@@ -43,6 +64,22 @@ impl Server {
             if m.transfer != format!("{transfer}/{name}") {
                 return refuse(format!("section `{name}` has transfer id `{}`, not {transfer}/{name}", m.transfer));
             }
+        }
+        // Sizes are bounded by the shared set before a byte is stored: the transfer's
+        // buffer is reserved, or its chunks spooled, on the word of the announcement.
+        let oversized =
+            std::iter::once(("update", u.update.bytes, update_bytes_bound(&self.global, open.plan.update_codec)))
+                .chain(
+                    u.sections
+                        .iter()
+                        .map(|(name, m)| (name.as_str(), m.bytes, update_bytes_bound(&self.global, UpdateCodec::F32))),
+                )
+                .find(|(_, bytes, bound)| bytes > bound);
+        if let Some((what, bytes, bound)) = oversized {
+            return refuse_for_good(
+                open,
+                format!("its {what} announces {bytes} bytes, more than the shared set takes ({bound} at most)"),
+            );
         }
         if let Some(name) = required.filter(|n| !u.sections.contains_key(*n)) {
             open.rejected.insert(device.to_string(), format!("no `{name}` section"));
@@ -63,10 +100,7 @@ impl Server {
             Ok(b) => {
                 open.transfers.insert(device.to_string(), (u, b));
             }
-            Err(e) => {
-                open.rejected.insert(device.to_string(), e.to_string());
-                refuse(e.to_string());
-            }
+            Err(e) => refuse_for_good(open, e.to_string()),
         }
     }
 
@@ -166,4 +200,43 @@ impl Server {
         }
         Ok((delta, sections))
     }
+}
+
+/// The most bytes an honest update of the shared set can take on the wire: every shared
+/// tensor at its largest under `codec` (or as f32 words, whichever is larger, which also
+/// covers a secure-aggregation round's masked words), plus room for each tensor's name,
+/// shape and CBOR framing.
+pub(super) fn update_bytes_bound(global: &GlobalModel, codec: UpdateCodec) -> u64 {
+    const PAYLOAD_FRAMING: u64 = 1024;
+    const TENSOR_FRAMING: u64 = 128;
+    global.shared().fold(PAYLOAD_FRAMING, |total, t| {
+        let shape: Vec<u64> = t.shape.iter().map(|&d| d as u64).collect();
+        let largest = [codec.dtype(), WireDType::F32]
+            .into_iter()
+            .filter_map(|dtype| byte_bounds(&shape, dtype).map(|(_, most)| most))
+            .max()
+            .unwrap_or(u64::MAX);
+        let framing = TENSOR_FRAMING + t.name.len() as u64 + 9 * shape.len() as u64;
+        total.saturating_add(largest).saturating_add(framing)
+    })
+}
+
+/// What a device reports must be a measurement: finite, accuracies within [0, 1], the
+/// rest not negative. Anything else would reach `metrics.jsonl` and the summary as null.
+fn check_metrics(m: &fedpo_wire::UpdateMetrics) -> Result<(), String> {
+    let fields = [
+        ("train_loss", Some(m.train_loss), f64::INFINITY),
+        ("reward_acc", Some(m.reward_acc), 1.0),
+        ("heldout_acc", m.heldout_acc, 1.0),
+        ("grad_norm", Some(m.grad_norm), f64::INFINITY),
+        ("seconds", Some(m.seconds), f64::INFINITY),
+        ("peak_rss_mib", m.peak_rss_mib, f64::INFINITY),
+    ];
+    for (name, value, most) in fields {
+        if let Some(v) = value.filter(|v| !(v.is_finite() && (0.0..=most).contains(v))) {
+            let range = if most == 1.0 { "within [0, 1]" } else { "finite and not negative" };
+            return Err(format!("its metric {name} = {v} is not {range}"));
+        }
+    }
+    Ok(())
 }

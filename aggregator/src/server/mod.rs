@@ -437,6 +437,14 @@ impl Server {
             Ok(m) => m,
             Err(e) => {
                 tracing::warn!(%device, error = %e, "ignoring undecodable message");
+                // An honest device never sends one (sizes are checked as a message is
+                // decoded): a device the round waits for is not waited for any longer.
+                if let Some(open) = open.filter(|o| o.selected.contains(&device) && !o.reported.contains_key(&device)) {
+                    if open.refused.insert(device.clone()) {
+                        open.transfers.remove(&device);
+                        open.rejected.insert(device, format!("undecodable message: {e}"));
+                    }
+                }
                 return Ok(());
             }
         };

@@ -163,7 +163,8 @@ mod tests {
         chunks.extend(grad_chunks);
         chunks.reverse();
         let sections = BTreeMap::from([("diagnostics.gradient".to_string(), grad)]);
-        let mut bundle = Bundle::new(main, &sections, &Limits::default()).unwrap();
+        let limits = Limits { max_chunk_bytes: 500, ..Limits::default() };
+        let mut bundle = Bundle::new(main, &sections, &limits).unwrap();
         let foreign = TransferChunk { transfer: "r1/other".into(), index: 0, count: 1, bytes: Bytes::new() };
         assert_eq!(bundle.accept(foreign).unwrap(), BundleProgress::Foreign);
         let last = chunks.pop().unwrap();

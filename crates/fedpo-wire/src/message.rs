@@ -360,13 +360,15 @@ impl Manifest {
         if tensor_bytes > self.bytes {
             return Err(WireError::TransferTooLarge { size: tensor_bytes, max: self.bytes });
         }
-        let min_chunks = self.bytes.div_ceil(limits.max_chunk_bytes as u64).max(1);
-        if u64::from(self.chunks) < min_chunks {
+        // Exactly as many chunks as full ones carry the bytes: the receiver keeps a slot per
+        // chunk, so a count beyond that would cost memory the bytes never justify.
+        let chunks = self.bytes.div_ceil(limits.max_chunk_bytes as u64).max(1);
+        if u64::from(self.chunks) != chunks {
             return Err(WireError::InvalidField {
                 field: "chunks",
                 reason: format!(
-                    "{} chunks cannot carry {} bytes at {} bytes each",
-                    self.chunks, self.bytes, limits.max_chunk_bytes
+                    "{} bytes in chunks of {} take {chunks} chunks, not {}",
+                    self.bytes, limits.max_chunk_bytes, self.chunks
                 ),
             });
         }

@@ -24,9 +24,9 @@ fn name() -> impl Strategy<Value = String> {
 }
 
 prop_compose! {
-    fn arb_manifest()(transfer in name(), n in 1u64..10_000, extra in 0u32..3) -> Manifest {
+    fn arb_manifest()(transfer in name(), n in 1u64..10_000) -> Manifest {
         let bytes = n * 4;
-        manifest(&transfer, bytes, bytes.div_ceil(DEFAULT_CHUNK_BYTES as u64) as u32 + extra)
+        manifest(&transfer, bytes, bytes.div_ceil(DEFAULT_CHUNK_BYTES as u64) as u32)
     }
 }
 
@@ -396,4 +396,17 @@ fn a_last_will_survives_the_wire_as_not_deliberate_and_a_devices_own_goodbye_as_
     assert!(!decoded(DeviceBye::last_will("pi-4")).is_deliberate());
     assert!(decoded(DeviceBye::new("pi-4", "round 1: --max-memory 40 MiB cannot hold this training")).is_deliberate());
     assert!(decoded(DeviceBye::new("pi-4", "done")).is_deliberate());
+}
+
+#[test]
+fn a_manifest_must_announce_exactly_the_chunks_its_bytes_take() {
+    let limits = Limits::default();
+    let mib = 1u64 << 20;
+    assert!(manifest("r1/dev-0", 3 * mib, 3).validate(&limits).is_ok());
+    assert!(manifest("r1/dev-0", 3 * mib + 4, 4).validate(&limits).is_ok());
+    assert!(manifest("r1/dev-0", 0, 1).validate(&limits).is_ok(), "an empty transfer is one empty chunk");
+    for (bytes, chunks) in [(3 * mib, 2), (3 * mib, 4), (4, u32::MAX), (0, 0)] {
+        let err = manifest("r1/dev-0", bytes, chunks).validate(&limits).unwrap_err().to_string();
+        assert!(err.contains("chunks") && err.contains(&chunks.to_string()), "{bytes} bytes, {chunks} chunks: {err}");
+    }
 }

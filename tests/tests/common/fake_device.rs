@@ -107,6 +107,11 @@ impl FakeDevice {
     /// Publishes an announcement and chunks.
     pub fn publish(&self, update: Update, chunks: Vec<TransferChunk>) {
         self.link.publish(&self.topics.up(&self.id), Message::Update(update).encode()).unwrap();
+        self.publish_chunks(chunks);
+    }
+
+    /// Publishes chunks of an update announced before.
+    pub fn publish_chunks(&self, chunks: Vec<TransferChunk>) {
         for c in chunks {
             self.link.publish(&self.topics.up(&self.id), Message::Chunk(c).encode()).unwrap();
         }
