@@ -1,0 +1,82 @@
+//! What a device accepts to download: a plan's transfers checked against the model its
+//! own spec describes, before any byte of them is stored.
+
+use fedpo_wire::RoundPlan;
+
+use crate::memory;
+
+/// Checks a plan's transfers against the model its spec describes before any byte of
+/// them is stored: the model at most every parameter in f32, each section (SCAFFOLD's
+/// control, FedGA's reference) at most every shared one, plus framing.
+pub(super) fn check_download(plan: &RoundPlan) -> Result<(), String> {
+    const FRAMING: u64 = 1 << 20;
+    let spec: fedpo_model::PolicySpec =
+        serde_json::from_str(&plan.model_spec).map_err(|e| format!("unreadable model spec: {e}"))?;
+    let counts = memory::ParamCounts::of(&spec.config, spec.lora.as_ref(), spec.partition);
+    let f32_bytes = |params: usize| (params as u64).saturating_mul(4).saturating_add(FRAMING);
+    let transfers = std::iter::once(("model", &plan.global_model, f32_bytes(counts.total)))
+        .chain(plan.sections.iter().map(|(name, m)| (name.as_str(), m, f32_bytes(counts.shared))));
+    for (what, manifest, bound) in transfers {
+        if manifest.bytes > bound {
+            return Err(format!(
+                "its {what} announces {} bytes, and its model spec accounts for {bound} at most",
+                manifest.bytes
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use fedpo_model::{Gpt2Config, LoraConfig, Partition, PartitionPreset, PolicySpec};
+    use fedpo_wire::{Hyperparameters, Manifest, UpdateCodec, DEFAULT_CHUNK_BYTES};
+
+    use super::*;
+
+    fn plan_announcing(model_bytes: u64, section_bytes: Option<u64>) -> RoundPlan {
+        let spec = PolicySpec {
+            config: Gpt2Config::tiny(),
+            lora: Some(LoraConfig::default()),
+            partition: Partition::new(PartitionPreset::Pfeddpo),
+        };
+        let manifest = |transfer: &str, bytes: u64| Manifest {
+            transfer: transfer.into(),
+            bytes,
+            chunks: bytes.div_ceil(DEFAULT_CHUNK_BYTES as u64).max(1) as u32,
+            digest: vec![0; 32],
+            tensors: Vec::new(),
+        };
+        RoundPlan {
+            round: 1,
+            selected: vec!["pi-7".into()],
+            hyper: Hyperparameters { method: "pfeddpo".into(), local_steps: 1, lr: 0.1, beta: 0.2, batch_pairs: 4 },
+            strategy: Default::default(),
+            model_spec: serde_json::to_string(&spec).unwrap(),
+            global_model: manifest("r1/global", model_bytes),
+            sections: section_bytes
+                .map(|b| ("scaffold.control".to_string(), manifest("r1/scaffold", b)))
+                .into_iter()
+                .collect(),
+            signature: Vec::new(),
+            secagg: None,
+            update_codec: UpdateCodec::F32,
+            sender_epoch: 1,
+        }
+    }
+
+    #[test]
+    fn a_plan_announcing_more_than_its_model_spec_accounts_for_is_not_followed() {
+        let counts = memory::ParamCounts::of(
+            &Gpt2Config::tiny(),
+            Some(&LoraConfig::default()),
+            Partition::new(PartitionPreset::Pfeddpo),
+        );
+        let model = 4 * counts.total as u64;
+        assert_eq!(check_download(&plan_announcing(model, Some(4 * counts.shared as u64))), Ok(()));
+        let err = check_download(&plan_announcing((2 << 30) - 1, None)).unwrap_err();
+        assert!(err.contains("model announces 2147483647 bytes"), "{err}");
+        let err = check_download(&plan_announcing(model, Some(model + (2 << 20)))).unwrap_err();
+        assert!(err.contains("scaffold.control"), "{err}");
+    }
+}
