@@ -8,7 +8,7 @@ mod common;
 
 use common::fake_device::FakeDevice;
 use fedpo_transport::EmbeddedBroker;
-use fedpo_wire::{RoundPlan, DEFAULT_CHUNK_BYTES};
+use fedpo_wire::DEFAULT_CHUNK_BYTES;
 
 const JOB: &str = "hostile";
 
@@ -42,19 +42,8 @@ fn chunk_bombs_oversized_updates_and_non_finite_metrics_are_refused_before_anyth
         std::thread::spawn(move || fedpo_aggregator::run_cli(args))
     };
     // Every fake says hello until the plan that selects it arrives.
-    let joined: Vec<(FakeDevice, RoundPlan)> = ["dev-a", "dev-b", "dev-c", "dev-d", "dev-e"]
-        .map(|id| {
-            let url = url.clone();
-            std::thread::spawn(move || {
-                let fake = FakeDevice::join(&url, JOB, id);
-                let plan = fake.plan();
-                (fake, plan)
-            })
-        })
-        .into_iter()
-        .map(|t| t.join().unwrap())
-        .collect();
-    let [(a, plan), (b, _), (bomb, _), (huge, _), (nan, _)] = <[_; 5]>::try_from(joined).ok().unwrap();
+    let [(a, plan), (b, _), (bomb, _), (huge, _), (nan, _)] =
+        FakeDevice::join_all(&url, JOB, ["dev-a", "dev-b", "dev-c", "dev-d", "dev-e"]);
 
     // Two honest updates in flight fill the aggregator's memory slots, so that what comes
     // next would be spooled to disk.

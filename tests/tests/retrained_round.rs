@@ -25,18 +25,8 @@ fn a_second_update_for_a_round_already_counted_changes_nothing() {
         std::thread::spawn(move || fedpo_aggregator::run_cli(args))
     };
     // Each says hello while it waits: the aggregator plans once all three are there.
-    let (devices, plans): (Vec<FakeDevice>, Vec<_>) = ["dev-a", "dev-b", "dev-c"]
-        .map(|id| {
-            let url = url.clone();
-            std::thread::spawn(move || {
-                let device = FakeDevice::join(&url, JOB, id);
-                let plan = device.plan();
-                (device, plan)
-            })
-        })
-        .into_iter()
-        .map(|waiting| waiting.join().unwrap())
-        .unzip();
+    let (devices, plans): (Vec<FakeDevice>, Vec<_>) =
+        FakeDevice::join_all(&url, JOB, ["dev-a", "dev-b", "dev-c"]).into_iter().unzip();
     let (retrained, others) = devices.split_first().unwrap();
     retrained.send(&plans[0], 1, 0.1, false);
     retrained.send(&plans[0], 1, 0.9, false); // trained again after a crash

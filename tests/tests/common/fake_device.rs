@@ -44,6 +44,24 @@ impl FakeDevice {
         Self { link, topics, id: id.into(), instance: rand::random::<u64>().max(1) }
     }
 
+    /// Joins every id at once and waits for the plan that selects each: they say hello
+    /// concurrently, as a job's `--min-devices` needs them all before it plans.
+    pub fn join_all<const N: usize>(
+        url: &BrokerUrl,
+        job: &'static str,
+        ids: [&'static str; N],
+    ) -> [(Self, RoundPlan); N] {
+        ids.map(|id| {
+            let url = url.clone();
+            std::thread::spawn(move || {
+                let device = Self::join(&url, job, id);
+                let plan = device.plan();
+                (device, plan)
+            })
+        })
+        .map(|waiting| waiting.join().unwrap())
+    }
+
     /// The next plan that selects this device, saying hello every 2 s meanwhile (the
     /// aggregator may not be listening yet), as a real device does.
     pub fn plan(&self) -> RoundPlan {
