@@ -100,6 +100,12 @@ impl GlobalModel {
         self.tensors.iter().filter(|t| t.shared)
     }
 
+    /// The first shared tensor holding a NaN or an infinity: a model devices must never
+    /// receive, whatever the updates that produced it.
+    pub(crate) fn first_non_finite(&self) -> Option<&str> {
+        self.shared().find(|t| !t.values.iter().all(|v| v.is_finite())).map(|t| t.name.as_str())
+    }
+
     /// The wire bytes devices receive, in chunks, with their digest: the model as a
     /// payload in f32 (so devices start from exactly these values), written from the
     /// tensors' own buffers.

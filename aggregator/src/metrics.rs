@@ -50,6 +50,10 @@ pub(crate) struct RoundRecord {
     pub(crate) diagnostics_bytes: Option<u64>,
     /// Norm of the change applied to the global model.
     pub(crate) update_norm: f64,
+    /// Why a training round left the global model as it was (quorum not met, updates
+    /// that could not be combined, or a result that was not finite).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) unchanged: Option<String>,
     /// Pair-weighted mean of the devices' first-step gradient norms.
     pub(crate) device_grad_norm: f64,
     /// Update bytes received.

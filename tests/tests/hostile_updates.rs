@@ -2,11 +2,14 @@
 //! chunk count that would cost memory no byte justifies, a size the shared set does not
 //! account for, metrics that are no measurement, and a pair count beyond the device's
 //! hello. The first three are refused before a byte of them is stored, the last is
-//! counted as the hello declared, and the round closes with the honest updates.
+//! counted as the hello declared, and the round closes with the honest updates. And finite
+//! updates that would sum past f32's range, which are dropped with their round.
 
 mod common;
 
+use candle_core::Device;
 use common::fake_device::FakeDevice;
+use fedpo_model::io::read_safetensors;
 use fedpo_transport::EmbeddedBroker;
 use fedpo_wire::DEFAULT_CHUNK_BYTES;
 
@@ -86,4 +89,42 @@ fn chunk_bombs_oversized_updates_and_non_finite_metrics_are_refused_before_anyth
     assert_eq!(record["device_grad_norm"].as_f64().unwrap(), 2.0, "{record}");
     let spool = out.join("spool");
     assert!(!spool.exists() || spool.read_dir().unwrap().next().is_none(), "nothing is left spooled");
+}
+
+/// Finite updates whose sum leaves f32's range: every value f32::MAX from every device, two
+/// rounds running. The first round's model is still finite; the second would be Inf
+/// everywhere, and is dropped so that the model devices receive, and the checkpoint
+/// `--resume` reads, stay finite.
+#[test]
+fn updates_that_would_overflow_the_global_model_are_dropped_and_the_model_stays_finite() {
+    let dir = fedpo_tests::TestDir::new();
+    let broker = EmbeddedBroker::start_on_free_port().unwrap();
+    let url = broker.url();
+    let out = dir.path().join("aggregator");
+    let aggregator = {
+        let args =
+            common::serve_args(&url, "overflow", &out, &["--rounds", "2", "--no-final-eval", "--round-deadline", "60"]);
+        std::thread::spawn(move || fedpo_aggregator::run_cli(args))
+    };
+    let devices = FakeDevice::join_all(&url, "overflow", ["dev-a", "dev-b", "dev-c"]);
+    for (device, plan) in &devices {
+        device.send(plan, 1, f32::MAX, false);
+    }
+    for (device, _) in &devices {
+        let plan = device.plan();
+        assert_eq!(plan.round, 2);
+        device.send(&plan, 2, f32::MAX, false);
+    }
+    aggregator.join().unwrap().expect("the aggregator finishes the job");
+
+    let records = common::metrics_records(&out);
+    assert!(records[0].get("unchanged").is_none(), "round 1 stays finite: {}", records[0]);
+    let why = records[1]["unchanged"].as_str().unwrap_or_else(|| panic!("round 2 is not dropped: {}", records[1]));
+    assert!(why.contains("not finite"), "{why}");
+    assert_eq!(records[1]["update_norm"], 0.0);
+    let checkpoint = read_safetensors(&out.join("checkpoint/global.safetensors"), &Device::Cpu).unwrap();
+    for (name, t) in &checkpoint.tensors.tensors {
+        let values: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
+        assert!(values.iter().all(|v| v.is_finite()), "`{name}` in the checkpoint is not finite");
+    }
 }

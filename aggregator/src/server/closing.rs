@@ -50,28 +50,47 @@ impl Server {
                 };
                 sum.map_err(|e| {
                     tracing::warn!(updates, error = %e, "the round's updates cannot be combined; the global model is unchanged");
+                    format!("the updates cannot be combined: {e}")
                 })
             } else {
                 tracing::warn!(updates, quorum = self.job.quorum, "quorum not met; the global model is unchanged");
-                Err(())
+                Err(format!("{updates} updates, quorum {}", self.job.quorum))
             };
             let closing = Instant::now();
-            if let Ok(sum) = combined {
-                let local = self.job.lr * f64::from(self.job.local_steps.max(1));
-                record.grad_norm = sum.mean_norm() / local;
-                if let Some(report) = open.diagnostics.as_ref().map(Diagnostics::report) {
-                    record.grad_norm = report.grad_norm.unwrap_or(record.grad_norm);
-                    record.kappa2 = report.kappa2;
-                    record.layer_cos = report.layer_cos;
+            match combined {
+                Ok(sum) => {
+                    let local = self.job.lr * f64::from(self.job.local_steps.max(1));
+                    record.grad_norm = sum.mean_norm() / local;
+                    if let Some(report) = open.diagnostics.as_ref().map(Diagnostics::report) {
+                        record.grad_norm = report.grad_norm.unwrap_or(record.grad_norm);
+                        record.kappa2 = report.kappa2;
+                        record.layer_cos = report.layer_cos;
+                    }
+                    // Finite updates can still sum past f32's range; the round's start model
+                    // is kept so that such a round is dropped rather than published.
+                    let previous = self.global.clone();
+                    record.update_norm = self.strategy.aggregate(open.round, &mut self.global, &sum)?;
+                    if let Some(tensor) = self.global.first_non_finite().map(str::to_string) {
+                        tracing::warn!(
+                            round = open.round,
+                            tensor,
+                            "the round would make the global model non-finite; it is dropped and the model stays"
+                        );
+                        self.global = previous;
+                        self.strategy.restore(&self.state.strategy_state)?;
+                        record.update_norm = 0.0;
+                        record.unchanged = Some(format!("the new model was not finite (`{tensor}`)"));
+                    } else {
+                        let registered = self.state.devices.len();
+                        let previous = self.client_term.needs_previous_model().then_some(&previous);
+                        self.client_term.after_round(previous, &self.global, open.controls.as_ref(), registered);
+                        if let Some(acc) = self.state.privacy.as_mut() {
+                            acc.add_round(open.selected.len() as f64 / open.population.max(1) as f64);
+                        }
+                    }
+                    self.spent_sum = Some(sum);
                 }
-                let previous = self.client_term.needs_previous_model().then(|| self.global.clone());
-                record.update_norm = self.strategy.aggregate(open.round, &mut self.global, &sum)?;
-                let registered = self.state.devices.len();
-                self.client_term.after_round(previous.as_ref(), &self.global, open.controls.as_ref(), registered);
-                if let Some(acc) = self.state.privacy.as_mut() {
-                    acc.add_round(open.selected.len() as f64 / open.population.max(1) as f64);
-                }
-                self.spent_sum = Some(sum);
+                Err(why) => record.unchanged = Some(why),
             }
             self.state.round = open.round;
             let aggregated = Instant::now();
