@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Result};
 use clap::Args;
-use fedpo_transport::{BrokerUrl, EmbeddedBroker, TlsFiles};
+use fedpo_transport::{read_password_file, BrokerUrl, EmbeddedBroker, TlsFiles};
 
 /// Broker flags.
 #[derive(Debug, Args, Clone)]
@@ -13,9 +13,16 @@ pub(crate) struct BrokerArgs {
     /// An MQTT 3.1.1/5 broker: mqtt://[user[:password]@]host[:port] or mqtts://...
     #[arg(long, conflicts_with = "embedded_broker")]
     pub(crate) broker: Option<String>,
-    /// Start rumqttd in-process on this address (e.g. 127.0.0.1:1883).
+    /// Start rumqttd in-process on this address (e.g. 127.0.0.1:1883). Without
+    /// --broker-passwords it listens on loopback only.
     #[arg(long)]
     pub(crate) embedded_broker: Option<SocketAddr>,
+    /// The embedded broker's logins: one `user:password` per line, a device's user name
+    /// its id (devices connect with mqtt://ID:PASSWORD@HOST:PORT). Every client must log
+    /// in, and only the users listed may join the job (unless --devices-file says
+    /// otherwise). Needed to listen beyond loopback.
+    #[arg(long, value_name = "FILE", requires = "embedded_broker")]
+    pub(crate) broker_passwords: Option<PathBuf>,
     /// CA certificate (PEM) for mqtts://.
     #[arg(long)]
     pub(crate) ca: Option<PathBuf>,
@@ -40,8 +47,29 @@ impl BrokerArgs {
         let (mut url, broker) = match (&self.broker, self.embedded_broker) {
             (Some(u), _) => (BrokerUrl::parse(u)?, None),
             (None, Some(addr)) => {
-                let b = EmbeddedBroker::start(addr)?;
-                (b.url(), Some(b))
+                let mut credentials = self.broker_passwords.as_deref().map(read_password_file).transpose()?;
+                // The aggregator's own login, known to no one else.
+                let own = credentials.as_mut().map(|users| {
+                    let login = (
+                        format!("fedpo-aggregator-{:08x}", rand::random::<u32>()),
+                        hex::encode(rand::random::<[u8; 16]>()),
+                    );
+                    users.insert(login.0.clone(), login.1.clone());
+                    login
+                });
+                let b = EmbeddedBroker::start_with(addr, credentials).map_err(|e| match self.broker_passwords {
+                    None if !addr.ip().is_loopback() => anyhow::anyhow!(
+                        "{e}: pass --broker-passwords FILE (lines `device:password`), or --embedded-broker 127.0.0.1:{}",
+                        addr.port()
+                    ),
+                    _ => e.into(),
+                })?;
+                let mut url = b.url();
+                if let Some((user, password)) = own {
+                    url.username = Some(user);
+                    url.password = Some(password);
+                }
+                (url, Some(b))
             }
             (None, None) if embedded_by_default => {
                 let b = EmbeddedBroker::start_on_free_port()?;
@@ -56,6 +84,11 @@ impl BrokerArgs {
             url.password = Some(p.clone());
         }
         Ok((url, broker))
+    }
+
+    /// The users of --broker-passwords: who may join the job, unless --devices-file says.
+    pub(crate) fn broker_users(&self) -> Result<Option<std::collections::BTreeSet<String>>> {
+        Ok(self.broker_passwords.as_deref().map(read_password_file).transpose()?.map(|u| u.into_keys().collect()))
     }
 
     pub(crate) fn tls(&self) -> TlsFiles {

@@ -45,6 +45,11 @@ pub(crate) struct DeviceRecord {
 pub(crate) struct ServerState {
     pub(crate) format: String,
     pub(crate) job: String,
+    /// The run: drawn when the job starts afresh, kept across `--resume`, and named in every
+    /// signed plan and result, so that devices refuse what an earlier run signed. States
+    /// from before it hold 0, and draw one when resumed.
+    #[serde(default)]
+    pub(crate) run: u64,
     pub(crate) method: String,
     /// Last round whose aggregate is in the model file.
     pub(crate) round: u64,
@@ -268,6 +273,7 @@ mod tests {
         ServerState {
             format: STATE_FORMAT.into(),
             job: "j".into(),
+            run: 0x5eed,
             method: "feddpo".into(),
             round,
             global_digest: model.digest_hex(),

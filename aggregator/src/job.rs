@@ -144,6 +144,15 @@ pub(crate) struct JobArgs {
     /// Give up waiting for --min-devices after this many seconds.
     #[arg(long, default_value_t = 300)]
     pub(crate) register_timeout: u64,
+    /// The devices that may join: a file with one device id per line (`#` comments).
+    /// Hellos from other ids are ignored. Without it, the users of --broker-passwords, or
+    /// anyone.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) devices_file: Option<std::path::PathBuf>,
+    /// Most devices that may register: hellos from new ids beyond it are ignored, so that
+    /// a flood of made-up ids cannot grow the aggregator's state.
+    #[arg(long, default_value_t = 10_000)]
+    pub(crate) max_devices: usize,
     /// A round closes this many seconds after its plan, with whatever arrived.
     #[arg(long, default_value_t = 600)]
     pub(crate) round_deadline: u64,
@@ -158,10 +167,10 @@ pub(crate) struct JobArgs {
 
 impl JobArgs {
     /// The plan signer from `--signing-key`, if given.
-    pub(crate) fn signer(&self) -> Result<Option<fedpo_wire::PlanSigner>> {
+    pub(crate) fn signer(&self) -> Result<Option<fedpo_wire::Signer>> {
         match &self.signing_key {
             Some(path) => {
-                let signer = fedpo_wire::PlanSigner::from_pem_file(path)?;
+                let signer = fedpo_wire::Signer::from_pem_file(path)?;
                 tracing::info!(public_key = %signer.public_key_hex(), "signing every plan");
                 Ok(Some(signer))
             }
@@ -172,6 +181,19 @@ impl JobArgs {
     pub(crate) fn validate(&self) -> Result<()> {
         if self.rounds == 0 {
             bail!("--rounds must be at least 1: a job trains, then evaluates the model it trained");
+        }
+        if self.rounds >= fedpo_wire::MAX_ROUND {
+            bail!(
+                "--rounds {} is beyond the limit of {} (devices refuse higher rounds)",
+                self.rounds,
+                fedpo_wire::MAX_ROUND - 1
+            );
+        }
+        if self.max_devices == 0 {
+            bail!("--max-devices must be at least 1");
+        }
+        if let Some(min) = self.min_devices.filter(|&m| m > self.max_devices) {
+            bail!("--min-devices {min} can never register with --max-devices {}", self.max_devices);
         }
         if self.per_round == 0 {
             bail!("--per-round must be at least 1");
@@ -333,4 +355,15 @@ impl JobArgs {
         let policy = Policy::build(spec, base.as_ref(), None, self.seed, candle_core::DType::F32, &Device::Cpu)?;
         GlobalModel::from_policy(&policy)
     }
+}
+
+/// Reads --devices-file: one device id per line; blank lines and `#` comments skipped.
+pub(crate) fn read_devices_file(path: &std::path::Path) -> Result<std::collections::BTreeSet<String>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading --devices-file {}", path.display()))?;
+    let ids: std::collections::BTreeSet<String> =
+        text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')).map(String::from).collect();
+    if ids.is_empty() {
+        bail!("--devices-file {} lists no device: no one could join", path.display());
+    }
+    Ok(ids)
 }

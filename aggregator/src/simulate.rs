@@ -18,7 +18,7 @@ use fedpo_data::synthetic::{generate_device, SyntheticSpec};
 use fedpo_device::adversary::Adversary;
 use fedpo_device::participant::{self, ParticipantConfig};
 use fedpo_transport::{BrokerUrl, LinkOptions, MqttLink, TlsFiles};
-use fedpo_wire::{PlanSigner, PlanVerifier};
+use fedpo_wire::{Signer, TrustedKey};
 
 use crate::broker_args::BrokerArgs;
 use crate::job::JobArgs;
@@ -121,7 +121,7 @@ impl SimulateArgs {
         std::fs::create_dir_all(&devices_dir)?;
         // With --signing-key every simulated device pins the matching public key.
         let trusted_key = match &self.job.signing_key {
-            Some(path) => Some(PlanSigner::from_pem_file(path)?.public_key_hex()),
+            Some(path) => Some(Signer::from_pem_file(path)?.public_key_hex()),
             None => None,
         };
         if self.processes {
@@ -185,7 +185,9 @@ impl SimulateArgs {
                 max_micro_batch_pairs: self.micro_batch_pairs.map(|n| n as usize),
                 start_on_disk: false,
                 compute_dtype: candle_core::DType::F32,
-                trusted_key: trusted_key.as_deref().map(PlanVerifier::parse).transpose()?,
+                trusted_key: trusted_key.as_deref().map(TrustedKey::parse).transpose()?,
+                rejoin: false,
+                reset_adapter: false,
                 alone_in_process: false,
                 adversary: (k < self.attackers).then_some(self.attack),
                 stop: stop.clone(),

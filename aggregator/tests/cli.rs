@@ -139,3 +139,12 @@ fn a_simulation_prints_its_tables_and_logs_nothing_else_unless_asked() {
     assert!(!verbose.contains('\u{1b}'), "colour codes in a redirected log:\n{verbose}");
     assert!(!verbose.contains("ERROR") && !verbose.contains("trust"), "{verbose}");
 }
+
+#[test]
+fn an_embedded_broker_without_logins_is_refused_beyond_loopback_with_the_fix_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ok, err) = run(&["serve", "--embedded-broker", "0.0.0.0:0", "--out", dir.path().to_str().unwrap()]);
+    assert!(!ok);
+    assert!(err.contains("loopback only") && err.contains("--broker-passwords FILE"), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+}

@@ -60,6 +60,8 @@ fn announce_until_the_device_leaves(
         secagg: None,
         update_codec: Default::default(),
         sender_epoch: 0,
+        job: job.into(),
+        run: 1,
     });
     let aggregator = MqttLink::connect(&url, &LinkOptions::new("fake-aggregator")).unwrap();
     let down = Topics::new(job).unwrap().down();

@@ -121,12 +121,13 @@ fn fleet_runs_through_mosquitto_with_mtls_and_a_device_cannot_publish_as_another
     let forged_update = b"forged by dev-2 as dev-0".to_vec();
     let forged_plan = b"forged by dev-2 as the aggregator".to_vec();
     let own_topic = b"dev-2 on its own topic".to_vec();
-    let publish_all = || {
+    let forge = || {
         rogue.publish(&topics.up("dev-0"), forged_update.clone()).unwrap();
         rogue.publish(&topics.down(), forged_plan.clone()).unwrap();
-        rogue.publish(&topics.up("dev-2"), own_topic.clone()).unwrap();
     };
-    publish_all();
+    forge();
+    // Before any round: garbage from dev-2 during a round would cost dev-2 that round.
+    rogue.publish(&topics.up("dev-2"), own_topic.clone()).unwrap();
 
     let spec = SyntheticSpec { heterogeneity: 1.0, train_pairs: 4, heldout_pairs: 4, seed: 0 };
     let handles: Vec<_> = devices
@@ -149,6 +150,8 @@ fn fleet_runs_through_mosquitto_with_mtls_and_a_device_cannot_publish_as_another
                 start_on_disk: false,
                 compute_dtype: candle_core::DType::F32,
                 trusted_key: None,
+                rejoin: false,
+                reset_adapter: false,
                 alone_in_process: false,
                 adversary: None,
                 stop: Arc::new(AtomicBool::new(false)),
@@ -157,7 +160,7 @@ fn fleet_runs_through_mosquitto_with_mtls_and_a_device_cannot_publish_as_another
         })
         .collect();
     std::thread::sleep(Duration::from_secs(2));
-    publish_all(); // again while rounds run
+    forge(); // again while rounds run
     aggregator.join().unwrap().expect("the aggregator finishes the job");
     handles.into_iter().for_each(|h| {
         h.join().unwrap();

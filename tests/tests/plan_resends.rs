@@ -67,6 +67,8 @@ fn a_plan_resent_for_others_does_not_make_a_device_upload_twice_but_a_new_epoch_
         secagg: None,
         update_codec: Default::default(),
         sender_epoch: epoch,
+        job: "resend".into(),
+        run: 1,
     };
     let aggregator = MqttLink::connect(&url, &LinkOptions::new("fake-aggregator")).unwrap();
     let down = Topics::new("resend").unwrap().down();

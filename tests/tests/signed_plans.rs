@@ -1,5 +1,6 @@
 //! Signed plans: devices that pin the aggregator's public key train on its plans, and a
-//! device pinned to another key refuses every plan, so the round closes without it.
+//! device pinned to another key refuses every plan, so the round closes without it, and
+//! every result, so the end of the job does not end it either.
 
 mod common;
 
@@ -12,7 +13,7 @@ use candle_core::Device;
 use fedpo_data::synthetic::{generate_device, SyntheticSpec};
 use fedpo_device::participant::{self, ParticipantConfig};
 use fedpo_transport::EmbeddedBroker;
-use fedpo_wire::PlanVerifier;
+use fedpo_wire::TrustedKey;
 
 /// security/make-certs.sh's signing key pair in `dir`: (private key file, public hex).
 fn signing_key(dir: &Path) -> (std::path::PathBuf, String) {
@@ -48,6 +49,7 @@ fn devices_train_only_on_plans_signed_by_the_key_they_pin() {
         std::thread::spawn(move || fedpo_aggregator::run_cli(args))
     };
     let spec = SyntheticSpec { heterogeneity: 1.0, train_pairs: 4, heldout_pairs: 4, seed: 0 };
+    let stop = Arc::new(AtomicBool::new(false));
     let devices: Vec<_> = [("dev-0", &public), ("dev-1", &public), ("dev-2", &stranger)]
         .into_iter()
         .enumerate()
@@ -67,18 +69,26 @@ fn devices_train_only_on_plans_signed_by_the_key_they_pin() {
                 max_micro_batch_pairs: None,
                 start_on_disk: false,
                 compute_dtype: candle_core::DType::F32,
-                trusted_key: Some(PlanVerifier::parse(pinned).unwrap()),
+                trusted_key: Some(TrustedKey::parse(pinned).unwrap()),
+                rejoin: false,
+                reset_adapter: false,
                 alone_in_process: false,
                 adversary: None,
-                stop: Arc::new(AtomicBool::new(false)),
+                stop: if pinned == &stranger { stop.clone() } else { Arc::new(AtomicBool::new(false)) },
             };
             std::thread::spawn(move || participant::run(cfg).expect("device leaves when the job ends"))
         })
         .collect();
     aggregator.join().unwrap().expect("the aggregator finishes the job");
-    devices.into_iter().for_each(|d| {
+    let mut devices = devices.into_iter();
+    for d in devices.by_ref().take(2) {
         d.join().unwrap();
-    });
+    }
+    let misled = devices.next().unwrap();
+    std::thread::sleep(std::time::Duration::from_secs(1));
+    assert!(!misled.is_finished(), "dev-2 took the end of the job from a result its key did not sign");
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    misled.join().unwrap();
 
     let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
     let round: serde_json::Value = serde_json::from_str(metrics.lines().next().unwrap()).unwrap();

@@ -4,7 +4,7 @@
 use std::time::Instant;
 
 use anyhow::Result;
-use fedpo_wire::{Message, RoundResult, UpdateMetrics};
+use fedpo_wire::{RoundResult, UpdateMetrics};
 
 use super::{OpenRound, Server};
 use crate::accumulator::WeightedSum;
@@ -124,8 +124,9 @@ impl Server {
             train_loss: record.train_loss,
             global_digest: hex::decode(&self.state.global_digest).unwrap_or_default(),
             finished: false,
+            ..RoundResult::default()
         };
-        self.link.publish(&self.topics.down(), Message::Result(result).encode())?;
+        self.publish_result(result)?;
         Ok(record)
     }
 }

@@ -16,17 +16,37 @@ use crate::global_model::GlobalModel;
 pub(super) const UPDATES_IN_MEMORY: usize = 2;
 
 impl Server {
+    /// Refuses an announcement that a later one from the device may put right.
+    fn refuse_update(&mut self, device: &str, round: u64, why: String) {
+        self.warnings.warn(device, "update", &format!("round {round}: update refused: {why}"));
+    }
+
+    /// Refuses for good: the same announcement again would be refused again, so the
+    /// round stops waiting for this device.
+    fn refuse_for_good(&mut self, open: &mut OpenRound, device: &str, why: String) {
+        self.warnings.warn(device, "update", &format!("round {}: update refused: {why}", open.round));
+        open.rejected.insert(device.to_string(), why);
+        open.refused.insert(device.to_string());
+    }
+
     pub(super) fn start_update(&mut self, open: &mut OpenRound, device: &str, mut u: Update) {
         let round = u.round;
-        let refuse = |why: String| tracing::warn!(%device, round, "update refused: {why}");
         if u.device != device {
-            return refuse(format!("it names device `{}` but came on {device}'s topic", u.device));
+            return self.refuse_update(
+                device,
+                round,
+                format!("it names device `{}` but came on {device}'s topic", u.device),
+            );
         }
         if u.round != open.round {
-            return refuse(format!("it is for round {}, the open round is {}", u.round, open.round));
+            return self.refuse_update(
+                device,
+                round,
+                format!("it is for round {}, the open round is {}", u.round, open.round),
+            );
         }
         if !open.selected.contains(device) {
-            return refuse("the device was not selected this round".into());
+            return self.refuse_update(device, round, "the device was not selected this round".into());
         }
         if open.reported.contains_key(device) {
             return; // a duplicate delivery or a resend of an update already counted
@@ -34,35 +54,33 @@ impl Server {
         if open.transfers.get(device).is_some_and(|(_, b)| b.manifest() == &u.update) {
             return; // the same update announced again while its chunks are arriving
         }
-        // Refused for good: the same announcement again would be refused again, so the
-        // round stops waiting for this device.
-        let refuse_for_good = |open: &mut OpenRound, why: String| {
-            open.rejected.insert(device.to_string(), why.clone());
-            open.refused.insert(device.to_string());
-            refuse(why)
-        };
         if let Err(why) = check_metrics(&u.metrics) {
-            return refuse_for_good(open, why);
+            return self.refuse_for_good(open, device, why);
         }
         // A device weighs what it declared when it joined, whatever an update claims.
         let declared = self.state.devices.get(device).map_or(0, |d| d.pairs);
         if u.pairs > declared {
-            tracing::warn!(%device, claimed = u.pairs, declared, "update claims more pairs than the device's hello; counted as declared");
+            let why = format!("update claims {} pairs, its hello {declared}; counted as declared", u.pairs);
+            self.warnings.warn(device, "pairs", &why);
             u.pairs = declared;
         }
         let transfer = format!("r{}/{device}", open.round);
         if u.update.transfer != transfer {
-            return refuse(format!("transfer id `{}` is not {transfer}", u.update.transfer));
+            return self.refuse_update(device, round, format!("transfer id `{}` is not {transfer}", u.update.transfer));
         }
         let required = self.client_term.required_section().filter(|_| !open.evaluation);
         for (name, m) in &u.sections {
             let expected =
                 Some(name.as_str()) == required || (name == keys::DIAGNOSTIC_GRADIENT && open.diagnostics.is_some());
             if !expected {
-                return refuse(format!("unexpected section `{name}`"));
+                return self.refuse_update(device, round, format!("unexpected section `{name}`"));
             }
             if m.transfer != format!("{transfer}/{name}") {
-                return refuse(format!("section `{name}` has transfer id `{}`, not {transfer}/{name}", m.transfer));
+                return self.refuse_update(
+                    device,
+                    round,
+                    format!("section `{name}` has transfer id `{}`, not {transfer}/{name}", m.transfer),
+                );
             }
         }
         // Sizes are bounded by the shared set before a byte is stored: the transfer's
@@ -76,17 +94,19 @@ impl Server {
                 )
                 .find(|(_, bytes, bound)| bytes > bound);
         if let Some((what, bytes, bound)) = oversized {
-            return refuse_for_good(
+            return self.refuse_for_good(
                 open,
+                device,
                 format!("its {what} announces {bytes} bytes, more than the shared set takes ({bound} at most)"),
             );
         }
         if let Some(name) = required.filter(|n| !u.sections.contains_key(*n)) {
             open.rejected.insert(device.to_string(), format!("no `{name}` section"));
-            return refuse(format!(
-                "the job runs {} but the update has no `{name}` section",
-                self.client_term.kind.name()
-            ));
+            return self.refuse_update(
+                device,
+                round,
+                format!("the job runs {} but the update has no `{name}` section", self.client_term.kind.name()),
+            );
         }
         // The first updates in flight wait in memory, the rest in spool files: a small fleet
         // is spared writing and reading back every update, and memory stays O(model).
@@ -100,7 +120,7 @@ impl Server {
             Ok(b) => {
                 open.transfers.insert(device.to_string(), (u, b));
             }
-            Err(e) => refuse_for_good(open, e.to_string()),
+            Err(e) => self.refuse_for_good(open, device, e.to_string()),
         }
     }
 
@@ -125,7 +145,7 @@ impl Server {
                                 tracing::info!(%device, reported = open.reported.len(), of = open.selected.len(), "masked input accepted");
                             }
                             Err(e) => {
-                                tracing::warn!(%device, error = %e, "masked input refused");
+                                self.warnings.warn(device, "update", &format!("masked input refused: {e}"));
                                 open.rejected.insert(device.to_string(), e.to_string());
                                 open.refused.insert(device.to_string());
                             }
@@ -151,7 +171,7 @@ impl Server {
                             tracing::info!(%device, reported = open.reported.len(), of = open.selected.len(), "update accepted");
                         }
                         Err(e) => {
-                            tracing::warn!(%device, error = %e, "update refused");
+                            self.warnings.warn(device, "update", &format!("update refused: {e}"));
                             open.rejected.insert(device.to_string(), e.to_string());
                             open.refused.insert(device.to_string());
                         }
@@ -159,7 +179,7 @@ impl Server {
                 }
             }
             Err(e) => {
-                tracing::warn!(%device, error = %e, "update transfer failed");
+                self.warnings.warn(device, "transfer", &format!("update transfer failed: {e}"));
                 open.rejected.insert(device.to_string(), e.to_string());
             }
         }

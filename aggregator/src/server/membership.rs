@@ -34,6 +34,12 @@ impl Server {
         Some(anyhow::anyhow!("{who} left the job. {}", said.collect::<Vec<_>>().join("; ")))
     }
 
+    /// Lets only `devices` join, when no --devices-file says otherwise (the embedded
+    /// broker's users).
+    pub(crate) fn allow_only_if_unset(&mut self, devices: std::collections::BTreeSet<String>) {
+        self.allowed.get_or_insert(devices);
+    }
+
     pub(super) fn online(&self) -> Vec<String> {
         self.state.devices.iter().filter(|(_, d)| d.online).map(|(id, _)| id.clone()).collect()
     }
@@ -69,8 +75,19 @@ impl Server {
     /// another process.
     pub(super) fn on_hello(&mut self, device: String, h: DeviceHello, open: Option<&mut OpenRound>) -> Result<()> {
         if h.device != device {
-            tracing::warn!(topic_device = %device, claimed = %h.device, "hello names another device; ignored");
+            self.warnings.warn(&device, "hello", &format!("hello names device `{}`; ignored", h.device));
             return Ok(());
+        }
+        if !self.state.devices.contains_key(&device) {
+            if self.allowed.as_ref().is_some_and(|ids| !ids.contains(&device)) {
+                self.warnings.warn(&device, "hello", "hello from a device not allowed in the job; ignored");
+                return Ok(());
+            }
+            if self.state.devices.len() >= self.job.max_devices {
+                let why = format!("hello from a new device beyond --max-devices {}; ignored", self.job.max_devices);
+                self.warnings.warn(&device, "hello", &why);
+                return Ok(());
+            }
         }
         match self.identities.observe(&device, h.instance) {
             Claim::Conflicted => return Ok(()),

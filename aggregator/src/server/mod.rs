@@ -13,9 +13,9 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use fedpo_transport::{LinkEvent, MqttLink, Topics};
+use fedpo_transport::{LinkEvent, MqttLink, Topics, WarnThrottle};
 use fedpo_wire::{
-    keys, split_payload, Bundle, EncodedPayload, Hyperparameters, Limits, Message, PlanSigner, RoundPlan, RoundResult,
+    keys, split_payload, Bundle, EncodedPayload, Hyperparameters, Limits, Message, RoundPlan, RoundResult, Signer,
     TransferChunk, Update, UpdateMetrics, DEFAULT_CHUNK_BYTES,
 };
 use rand::rngs::StdRng;
@@ -58,9 +58,13 @@ pub(crate) struct Server {
     limits: Limits,
     started: Instant,
     /// Signs every published plan (`--signing-key`).
-    signer: Option<PlanSigner>,
+    signer: Option<Signer>,
     /// Which process speaks for each device id.
     identities: Identities,
+    /// Warnings about what devices send, rate-limited per device and kind.
+    warnings: WarnThrottle,
+    /// The devices that may join (--devices-file, or the broker's users); `None`: any.
+    allowed: Option<std::collections::BTreeSet<String>>,
     /// The plan's `sender_epoch`: random per process, bumped on every broker connection.
     epoch: u64,
     /// The global model's wire encoding, made when a round changed the model: closing the
@@ -145,6 +149,11 @@ impl Server {
                 );
             }
             strategy.restore(&state.strategy_state)?;
+            let mut state = state;
+            if state.run == 0 {
+                state.run = new_run();
+                tracing::info!(run = %format!("{:016x}", state.run), "the checkpoint predates runs; this is a new one");
+            }
             tracing::info!(round = state.round, digest = %state.global_digest, "resuming from checkpoint");
             (global, state)
         } else {
@@ -155,6 +164,7 @@ impl Server {
             let state = ServerState {
                 format: STATE_FORMAT.into(),
                 job: job.job.clone(),
+                run: new_run(),
                 method: job.method.name().into(),
                 round: 0,
                 global_digest: global.digest_hex(),
@@ -167,8 +177,12 @@ impl Server {
                 privacy: None,
                 model_file: String::new(),
             };
+            // The run is fixed from here on: a crash before the first round closes
+            // resumes it, rather than starting one its devices would refuse.
+            checkpoints.save(&global, &state)?;
             (global, state)
         };
+        tracing::info!(run = %format!("{:016x}", state.run), round = state.round, "job run");
         let mut client_term = job.build_client_term(&global)?;
         if !state.client_term_state.is_empty() {
             client_term.restore(&state.client_term_state)?;
@@ -193,6 +207,8 @@ impl Server {
         Ok(Self {
             signer,
             identities: Identities::default(),
+            warnings: WarnThrottle::default(),
+            allowed: job.devices_file.as_deref().map(crate::job::read_devices_file).transpose()?,
             epoch: rand::random(),
             link,
             topics,
@@ -240,10 +256,11 @@ impl Server {
             train_loss: summary.final_train_loss,
             global_digest: hex::decode(&self.state.global_digest).unwrap_or_default(),
             finished: true,
+            ..RoundResult::default()
         };
         // Finished means resumable after a power cut too.
         self.checkpoints.wait_durable()?;
-        self.link.publish(&self.topics.down(), Message::Result(done).encode())?;
+        self.publish_result(done)?;
         self.link.flush(Duration::from_secs(30));
         summary.rounds = self.state.round;
         summary.devices = self.state.devices.len();
@@ -329,6 +346,8 @@ impl Server {
             secagg: secure.as_ref().map(|s| s.settings),
             update_codec: self.job.update_codec,
             sender_epoch: self.epoch,
+            job: self.job.job.clone(),
+            run: self.state.run,
         };
         let training = !evaluation;
         let mut open = OpenRound {
@@ -387,6 +406,18 @@ impl Server {
         self.close_round(open, started)
     }
 
+    /// Publishes a round's result, naming the job and the run, signed when the job has
+    /// a signing key: devices that pin it end only on a result it signed for their run.
+    pub(super) fn publish_result(&self, mut result: RoundResult) -> Result<()> {
+        result.job = self.job.job.clone();
+        result.run = self.state.run;
+        if let Some(signer) = &self.signer {
+            signer.sign(&mut result);
+        }
+        self.link.publish(&self.topics.down(), Message::Result(result).encode())?;
+        Ok(())
+    }
+
     /// Publishes the plan and the model. A resent plan names only the devices still
     /// missing, so those that already reported do not send their update again.
     fn publish_plan(&mut self, open: &mut OpenRound) -> Result<()> {
@@ -436,7 +467,7 @@ impl Server {
         let msg = match Message::decode_shared(&delivery.payload, &self.limits) {
             Ok(m) => m,
             Err(e) => {
-                tracing::warn!(%device, error = %e, "ignoring undecodable message");
+                self.warnings.warn(&device, "undecodable", &format!("ignoring undecodable message: {e}"));
                 // An honest device never sends one (sizes are checked as a message is
                 // decoded): a device the round waits for is not waited for any longer.
                 if let Some(open) = open.filter(|o| o.selected.contains(&device) && !o.reported.contains_key(&device)) {
@@ -472,7 +503,11 @@ impl Server {
                 if let Some(open) = open {
                     self.start_update(open, &device, u);
                 } else {
-                    tracing::warn!(%device, round = u.round, "update outside a round; ignored");
+                    self.warnings.warn(
+                        &device,
+                        "update",
+                        &format!("round {}: update outside a round; ignored", u.round),
+                    );
                 }
             }
             Message::Chunk(c) => {
@@ -481,9 +516,14 @@ impl Server {
                 }
             }
             Message::Plan(_) | Message::Result(_) => {
-                tracing::warn!(%device, "a device published an aggregator message; ignored");
+                self.warnings.warn(&device, "aggregator message", "a device published an aggregator message; ignored");
             }
         }
         Ok(())
     }
+}
+
+/// A run id: random, never 0 (what states from before runs hold).
+fn new_run() -> u64 {
+    rand::random::<u64>().max(1)
 }

@@ -133,7 +133,7 @@ impl Server {
             _ => Ok(()),
         };
         if let Err(e) = result {
-            tracing::warn!(%device, error = %e, "secure aggregation message refused");
+            self.warnings.warn(device, "secure aggregation", &format!("secure aggregation message refused: {e}"));
         }
     }
 

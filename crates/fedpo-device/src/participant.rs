@@ -11,12 +11,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use candle_core::Device;
-use fedpo_data::{tokenize_pairs, PreferencePair, TokenizedPair};
+use fedpo_data::{fingerprint, tokenize_pairs, PreferencePair, TokenizedPair};
 use fedpo_model::Gpt2Tokenizer;
-use fedpo_transport::{BrokerUrl, LinkEvent, LinkOptions, MqttLink, TlsFiles, Topics};
+use fedpo_transport::{BrokerUrl, LinkEvent, LinkOptions, MqttLink, TlsFiles, Topics, WarnThrottle};
 use fedpo_wire::{
-    Bundle, BundleBytes, BundleProgress, DeviceBye, DeviceHello, EncodedPayload, Limits, Message, PlanVerifier,
-    RoundDeclined, RoundPlan, TensorPayload, WireDType, DEFAULT_CHUNK_BYTES,
+    Bundle, BundleBytes, BundleProgress, DeviceBye, DeviceHello, EncodedPayload, Limits, Message, RoundDeclined,
+    RoundPlan, TensorPayload, TrustedKey, WireDType, DEFAULT_CHUNK_BYTES,
 };
 use thiserror::Error;
 
@@ -25,6 +25,7 @@ use crate::memory::{self, longest, PlanError, PlanRequest, StepKernels};
 use crate::round::{train_round, RoundInputs};
 use crate::state_dir::StateDir;
 
+mod admission;
 mod download;
 mod secure;
 mod upload;
@@ -104,9 +105,15 @@ pub struct ParticipantConfig {
     pub start_on_disk: bool,
     /// Dtype of matmuls and activations (f32, or bf16/f16 for mixed precision).
     pub compute_dtype: candle_core::DType,
-    /// The aggregator's pinned public key: plans (and so models) whose signature does not
-    /// verify are refused. `None` accepts any plan.
-    pub trusted_key: Option<PlanVerifier>,
+    /// The aggregator's pinned public key: plans (and so models) and results whose
+    /// signature does not verify are refused. `None` accepts any.
+    pub trusted_key: Option<TrustedKey>,
+    /// Follow a new run of the job even though the state directory followed another
+    /// (`--rejoin`, after the aggregator started the job afresh): its rounds count anew.
+    pub rejoin: bool,
+    /// Start a fresh private adapter when the one this device saved is missing
+    /// (`--reset-adapter`); without it, that is an error naming the file.
+    pub reset_adapter: bool,
     /// This device is alone in its process (`fedpo-device run`), so the process's peak
     /// resident memory is its own and goes with each update. Devices simulated in one
     /// process leave it out rather than each report the whole process's.
@@ -161,6 +168,10 @@ struct Participant {
     plan_epoch: u64,
     /// The current round's secure-aggregation state, if its plan asked for it.
     secure: Option<secure::SecureRound>,
+    /// `--rejoin`, until a new run has been joined.
+    rejoin: bool,
+    /// Warnings about refused messages, rate-limited.
+    refused: WarnThrottle,
 }
 
 /// Joins the job and takes part until the aggregator finishes it or `cfg.stop` is set.
@@ -177,6 +188,11 @@ pub fn run(cfg: ParticipantConfig) -> Result<ParticipantSummary, ParticipantErro
         |pairs: &[PreferencePair]| tokenize_pairs(pairs, |s| tokenizer.encode(s), cfg.max_len, tokenizer.eos_id());
     let (train, heldout) = (tok(&cfg.train)?, tok(&cfg.heldout)?);
     let state = StateDir::open(&cfg.state_dir)?;
+    // Before the hello: a device whose state cannot carry on must not be counted in.
+    let references: Vec<(&str, String)> = std::iter::once(("ref_train.json", fingerprint(&train)))
+        .chain((!heldout.is_empty()).then(|| ("ref_heldout.json", fingerprint(&heldout))))
+        .collect();
+    state.check(cfg.reset_adapter, &references)?;
     let mut opts = LinkOptions::new(format!("fedpo-{}-{}", cfg.job, cfg.id));
     opts.tls = cfg.tls.clone();
     let will = Message::Bye(DeviceBye::last_will(cfg.id.clone()));
@@ -201,7 +217,10 @@ pub fn run(cfg: ParticipantConfig) -> Result<ParticipantSummary, ParticipantErro
         sent_under: None,
         plan_epoch: 0,
         secure: None,
+        rejoin: false,
+        refused: WarnThrottle::default(),
     };
+    p.rejoin = p.cfg.rejoin;
     let span = tracing::info_span!("device", id = %p.cfg.id);
     let _enter = span.enter();
     if let Err(e) = p.event_loop() {
@@ -331,11 +350,8 @@ impl Participant {
             };
             match msg {
                 Message::Plan(plan) => {
-                    if let Some(key) = &self.cfg.trusted_key {
-                        if let Err(e) = key.verify(&plan) {
-                            tracing::error!(error = %e, "refusing a plan that is not the aggregator's");
-                            continue;
-                        }
+                    if !self.admit_plan(&plan)? {
+                        continue;
                     }
                     heard_aggregator = true;
                     if !plan.selected.iter().any(|d| d == &self.cfg.id) {
@@ -345,6 +361,11 @@ impl Participant {
                     let progress = self.state.progress()?;
                     let model_digest = hex::encode(&plan.global_model.digest);
                     if plan.round < progress.last_round {
+                        let why = format!(
+                            "ignoring round {}'s plan: this device trained round {} of the run",
+                            plan.round, progress.last_round
+                        );
+                        self.refused.warn("aggregator", "old round", &why);
                         continue;
                     }
                     if self.secure_round_trained(plan.round) {
@@ -435,6 +456,9 @@ impl Participant {
                     }
                 }
                 Message::Result(result) => {
+                    if !self.admit_result(&result)? {
+                        continue;
+                    }
                     heard_aggregator = true;
                     if result.finished {
                         tracing::info!(round = result.round, "job finished");

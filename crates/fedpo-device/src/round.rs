@@ -103,8 +103,18 @@ pub(crate) fn train_round(
     // The reference is the first global model this device trained from (with a fresh,
     // zero-effect adapter): fixed for the device's whole life, cached in the state dir.
     let reference_model = progress.reference_model.clone().unwrap_or_else(|| input.global_digest.to_string());
+    // Only the reference model itself may fill a missing cache: this round's model with a
+    // fresh adapter, when it is the model the reference was taken from.
+    let policy_is_reference = reference_model == input.global_digest && saved.is_none();
     let score = |pairs: &[TokenizedPair], file: &str| {
         load_or_score_pairs(&state.path(file), &reference_model, &fingerprint(pairs), || {
+            if !policy_is_reference {
+                return Err(fedpo_train::TrainError::Invalid(format!(
+                    "{}: the reference log-probs are missing or stale, and this round's model is not the reference \
+                     model {reference_model}; they cannot be rebuilt",
+                    state.path(file).display()
+                )));
+            }
             score_pairs(&policy, pairs, settings.micro_batch_pairs, settings.pad_id)
         })
         .map(|(logps, _)| logps)
@@ -179,6 +189,10 @@ pub(crate) fn train_round(
     };
     if private_adapter && steps > 0 {
         save_adapter(&policy, &state.adapter_path())?;
+        if !progress.adapter_saved {
+            progress.adapter_saved = true;
+            state.save_progress(progress)?;
+        }
     }
     if let Some(scaffold) = &trainer.terms().scaffold {
         if let Some((control, change)) = scaffold.finish()? {

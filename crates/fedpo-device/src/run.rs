@@ -11,7 +11,7 @@ use fedpo_data::synthetic::{generate_device, SyntheticSpec};
 use fedpo_data::{load_jsonl, DataFormat};
 use fedpo_device::participant::{self, ParticipantConfig};
 use fedpo_transport::{BrokerUrl, TlsFiles};
-use fedpo_wire::PlanVerifier;
+use fedpo_wire::TrustedKey;
 
 use crate::setup::parse_device;
 
@@ -68,9 +68,19 @@ pub(crate) struct RunArgs {
     #[arg(long, default_value = "f32", value_parser = crate::setup::parse_compute_dtype)]
     compute_dtype: candle_core::DType,
     /// The aggregator's Ed25519 public key (64 hex digits, or a file holding them, e.g.
-    /// security/make-certs.sh's signing.pub): plans that do not verify are refused.
+    /// security/make-certs.sh's signing.pub): plans and results that do not verify are refused.
     #[arg(long, value_name = "HEX|FILE")]
     trust_key: Option<String>,
+    /// Follow a new run of the job although this state directory followed another: after
+    /// the aggregator started the job afresh (not with --resume). The device's rounds count
+    /// from 1 again; its adapter stays.
+    #[arg(long)]
+    rejoin: bool,
+    /// Start a fresh private adapter if the one this device saved is missing; without
+    /// it, a missing adapter stops the device before it joins, so that its personalisation
+    /// is not lost unnoticed.
+    #[arg(long)]
+    reset_adapter: bool,
     /// Memory budget for training, MiB: each round's micro-batch is planned to fit; a job
     /// whose model cannot fit is refused before its model is downloaded.
     #[arg(long, value_name = "MB")]
@@ -146,7 +156,9 @@ pub(crate) fn run(args: RunArgs) -> Result<()> {
         max_micro_batch_pairs: args.micro_batch_pairs.map(|n| n as usize),
         start_on_disk: args.start_on_disk,
         compute_dtype: args.compute_dtype,
-        trusted_key: args.trust_key.as_deref().map(PlanVerifier::parse).transpose()?,
+        trusted_key: args.trust_key.as_deref().map(TrustedKey::parse).transpose()?,
+        rejoin: args.rejoin,
+        reset_adapter: args.reset_adapter,
         alone_in_process: true,
         adversary: None,
         stop,

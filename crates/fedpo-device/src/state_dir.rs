@@ -2,7 +2,8 @@
 //!
 //! - `adapter.safetensors`: the private LoRA adapter (pFedDPO);
 //! - `ref_train.json`, `ref_heldout.json`: reference log-probs, computed once;
-//! - `progress.json`: the last round it trained and the model its reference came from;
+//! - `progress.json`: the last round it trained, the run of the job it follows, whether
+//!   it has saved an adapter, and the model its reference came from;
 //! - `last_update.cbor`: the update it last sent, to send again if the aggregator
 //!   restarts mid-round and asks for the same round;
 //! - `residual.safetensors`: what a top-k update codec has not sent yet (error
@@ -36,6 +37,14 @@ pub(crate) struct Progress {
     /// Digest (hex) of the global model the reference log-probs were computed with. Only
     /// ever compared with itself, so a SHA-256 left by an older build stays valid.
     pub(crate) reference_model: Option<String>,
+    /// The run of the job this directory follows (see `participant::admission`); `None`
+    /// until its first plan.
+    #[serde(default)]
+    pub(crate) run: Option<u64>,
+    /// Whether the private adapter has been saved: from then on a missing
+    /// `adapter.safetensors` is lost personalisation, not a device that never trained.
+    #[serde(default)]
+    pub(crate) adapter_saved: bool,
 }
 
 /// An update as sent, for resending.
@@ -70,6 +79,58 @@ impl StateDir {
 
     pub(crate) fn adapter_path(&self) -> PathBuf {
         self.path("adapter.safetensors")
+    }
+
+    /// Checks, before the device says hello, what its next round will rely on: a
+    /// readable `progress.json` with a round in range, the adapter it saved (unless
+    /// `reset_adapter`, which starts a fresh one), and reference caches for the reference
+    /// model and this device's data (`references`: file name → data fingerprint). Nothing
+    /// here is repaired silently: a reference cache cannot be rebuilt once the model it
+    /// came from has moved on.
+    pub(crate) fn check(
+        &self,
+        reset_adapter: bool,
+        references: &[(&str, String)],
+    ) -> Result<Progress, ParticipantError> {
+        let mut progress = self.progress()?;
+        let path = self.path("progress.json");
+        if progress.last_round > fedpo_wire::MAX_ROUND {
+            return Err(io_err(
+                &path,
+                format!(
+                    "last_round {} is beyond the highest round a job may reach, {}",
+                    progress.last_round,
+                    fedpo_wire::MAX_ROUND
+                ),
+            ));
+        }
+        if progress.adapter_saved && !self.adapter_path().exists() {
+            if !reset_adapter {
+                return Err(io_err(
+                    &self.adapter_path(),
+                    "missing, though this device has trained it: its personalisation would be lost. Restore the file, \
+                     or pass --reset-adapter to start a fresh adapter",
+                ));
+            }
+            tracing::warn!(path = %self.adapter_path().display(), "--reset-adapter: the saved adapter is missing; a fresh one starts");
+            progress.adapter_saved = false;
+            self.save_progress(&progress)?;
+        }
+        if let Some(model) = &progress.reference_model {
+            for (file, data) in references {
+                if let Err(why) = fedpo_train::check_cache(&self.path(file), model, data) {
+                    return Err(io_err(
+                        &self.path(file),
+                        format!(
+                            "{why}. The reference log-probs come from the first global model this device trained \
+                             from, which it no longer holds, so they cannot be rebuilt: restore the file (and the \
+                             data it was computed on), or start over with an empty --state-dir"
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(progress)
     }
 
     pub(crate) fn progress(&self) -> Result<Progress, ParticipantError> {

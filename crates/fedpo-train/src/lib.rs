@@ -13,6 +13,6 @@ mod trainer;
 pub use error::{Result, TrainError};
 pub use loss::LossKind;
 pub use optim::{OptimConfig, OptimKind, Optimizer};
-pub use reference::{load_or_score_pairs, score_pairs, SequenceLogps};
+pub use reference::{check_cache, load_or_score_pairs, score_pairs, SequenceLogps};
 pub use terms::LocalTerms;
 pub use trainer::{evaluate, DpoSettings, EvalMetrics, LocalTrainer, PreferenceSet, StepMetrics};

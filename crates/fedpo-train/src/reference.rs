@@ -50,6 +50,23 @@ pub fn score_pairs(policy: &Policy, pairs: &[TokenizedPair], batch_pairs: usize,
     Ok(out)
 }
 
+/// Whether the cache at `path` holds the log-probs of `model_hash` on the data of
+/// `data_fingerprint`; if not, why not.
+pub fn check_cache(path: &Path, model_hash: &str, data_fingerprint: &str) -> std::result::Result<(), String> {
+    let bytes = std::fs::read(path).map_err(|e| format!("cannot be read ({e})"))?;
+    let c: CacheFile = serde_json::from_slice(&bytes).map_err(|e| format!("is not a reference cache ({e})"))?;
+    if c.format != FORMAT {
+        return Err(format!("has format `{}`, not {FORMAT}", c.format));
+    }
+    if c.model_hash != model_hash {
+        return Err(format!("is for model {}, not the reference model {model_hash}", c.model_hash));
+    }
+    if c.data_fingerprint != data_fingerprint {
+        return Err("is for other training data than this device's".into());
+    }
+    Ok(())
+}
+
 /// Reads the cache at `path` if it matches `model_hash` and `data_fingerprint`, else
 /// computes the log-probs and writes the cache atomically. Returns the log-probs and
 /// whether they came from the cache.

@@ -1,5 +1,11 @@
 //! rumqttd in-process: the broker `simulate` uses by default, so a fleet runs on a fresh
 //! machine with nothing installed.
+//!
+//! Without credentials it listens on loopback only: anyone who reaches an open broker can
+//! join the job under any id, or end it. With credentials (user name → password, as
+//! [`read_password_file`] reads them) every client must log in; rumqttd has no topic ACL,
+//! so a logged-in client can still publish on another device's topic, which a broker with
+//! ACLs (Mosquitto with `security/acl`) prevents.
 
 use std::collections::HashMap;
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -18,12 +24,12 @@ pub struct EmbeddedBroker {
     addr: SocketAddr,
 }
 
-fn config(addr: SocketAddr) -> Config {
+fn config(addr: SocketAddr, credentials: Option<HashMap<String, String>>) -> Config {
     let connections = ConnectionSettings {
         connection_timeout_ms: 60_000,
         max_payload_size: MAX_PACKET_BYTES,
         max_inflight_count: 256,
-        auth: None,
+        auth: credentials,
         external_auth: None,
         dynamic_filters: true,
     };
@@ -58,12 +64,28 @@ impl EmbeddedBroker {
     /// Starts a broker listening on `addr` and waits until it accepts connections. Port 0
     /// picks a free port (see [`EmbeddedBroker::addr`]).
     pub fn start(addr: SocketAddr) -> Result<Self> {
+        Self::start_with(addr, None)
+    }
+
+    /// Starts a broker on `addr` where every client logs in with one of `credentials`
+    /// (user name → password); `None` lets anyone in, and is refused beyond loopback.
+    pub fn start_with(addr: SocketAddr, credentials: Option<HashMap<String, String>>) -> Result<Self> {
         let addr = if addr.port() == 0 { free_port(addr)? } else { addr };
         let err = |reason: String| TransportError::Broker { addr: addr.to_string(), reason };
+        if credentials.is_none() && !addr.ip().is_loopback() {
+            return Err(err(
+                "the embedded broker has no credentials, so it listens on loopback only (127.0.0.1 or ::1); \
+                 give it a password file to listen beyond this machine"
+                    .into(),
+            ));
+        }
+        if credentials.as_ref().is_some_and(HashMap::is_empty) {
+            return Err(err("the password file lists no user: no client could log in".into()));
+        }
         // rumqttd only logs a failed bind from its own thread; check first so the user
         // sees why.
         drop(TcpListener::bind(addr).map_err(|e| err(format!("cannot listen: {e}")))?);
-        let cfg = config(addr);
+        let cfg = config(addr, credentials);
         std::thread::Builder::new()
             .name("mqtt-broker".into())
             .spawn(move || {
@@ -108,5 +130,55 @@ impl EmbeddedBroker {
             username: None,
             password: None,
         }
+    }
+}
+
+/// Reads a password file: one `user:password` per line; blank lines and `#` comments are
+/// skipped. The password is everything after the first `:`.
+pub fn read_password_file(path: &std::path::Path) -> Result<HashMap<String, String>> {
+    let err = |reason: String| TransportError::Credentials(format!("{}: {reason}", path.display()));
+    let text = std::fs::read_to_string(path).map_err(|e| err(e.to_string()))?;
+    let mut users = HashMap::new();
+    for (n, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let Some((user, password)) = line.split_once(':') else {
+            return Err(err(format!("line {}: expected `user:password`", n + 1)));
+        };
+        if user.is_empty() || password.is_empty() {
+            return Err(err(format!("line {}: an empty user name or password", n + 1)));
+        }
+        if users.insert(user.to_string(), password.to_string()).is_some() {
+            return Err(err(format!("line {}: user `{user}` is listed twice", n + 1)));
+        }
+    }
+    Ok(users)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_open_broker_is_refused_beyond_loopback() {
+        let e = EmbeddedBroker::start("0.0.0.0:0".parse().unwrap()).unwrap_err().to_string();
+        assert!(e.contains("loopback only") && e.contains("password file"), "{e}");
+    }
+
+    #[test]
+    fn password_files_name_the_line_they_cannot_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("passwords");
+        std::fs::write(&path, "# fleet\npi-1:s3cret:with-colon\n\npi-2:other\n").unwrap();
+        let users = read_password_file(&path).unwrap();
+        assert_eq!(users["pi-1"], "s3cret:with-colon");
+        assert_eq!(users.len(), 2);
+        std::fs::write(&path, "pi-1:a\npi-1\n").unwrap();
+        let e = read_password_file(&path).unwrap_err().to_string();
+        assert!(e.contains("passwords: line 2: expected `user:password`"), "{e}");
+        std::fs::write(&path, "pi-1:a\npi-1:b\n").unwrap();
+        assert!(read_password_file(&path).unwrap_err().to_string().contains("listed twice"));
     }
 }

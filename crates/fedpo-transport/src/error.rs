@@ -52,6 +52,9 @@ pub enum TransportError {
         /// The limit.
         max: usize,
     },
+    /// A password file that cannot be used.
+    #[error("credentials: {0}")]
+    Credentials(String),
     /// The embedded broker failed to start.
     #[error("embedded MQTT broker on {addr}: {reason}")]
     Broker {

@@ -6,6 +6,7 @@
 //!   with backoff, resubscribes after every ConnAck and republishes whatever the broker had
 //!   not acknowledged, from its own [`Outbox`].
 //! - [`EmbeddedBroker`] runs rumqttd in-process with limits sized for fedpo's chunks.
+//! - [`WarnThrottle`] rate-limits warnings about what peers send.
 //!
 //! Everything here moves opaque bytes; fedpo-wire gives them meaning.
 
@@ -13,13 +14,15 @@ mod broker;
 mod error;
 mod link;
 mod outbox;
+mod throttle;
 mod topics;
 mod url;
 
-pub use broker::EmbeddedBroker;
+pub use broker::{read_password_file, EmbeddedBroker};
 pub use error::{Result, TransportError};
 pub use link::{Delivery, LinkEvent, LinkOptions, MqttLink};
 pub use outbox::Outbox;
+pub use throttle::WarnThrottle;
 pub use topics::Topics;
 pub use url::{BrokerUrl, Scheme, TlsFiles};
 

@@ -58,6 +58,8 @@ fn main() -> std::io::Result<()> {
         secagg: None,
         update_codec: UpdateCodec::TopK(0.05),
         sender_epoch: 0x5eed,
+        job: "lab".into(),
+        run: 0x7e57,
     });
     let hello = Message::Hello(DeviceHello {
         device: "pi-7".into(),

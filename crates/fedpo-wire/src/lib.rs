@@ -29,11 +29,11 @@ pub use codec::{Residual, UpdateCodec, INT8_BLOCK};
 pub use digest::{digest, DIGEST_BYTES};
 pub use encoded::EncodedPayload;
 pub use error::{Result, WireError};
-pub use limits::{Limits, DEFAULT_CHUNK_BYTES};
+pub use limits::{Limits, DEFAULT_CHUNK_BYTES, MAX_ROUND};
 pub use message::{
     DeviceBye, DeviceHello, Hyperparameters, Manifest, Message, RoundDeclined, RoundPlan, RoundResult, TensorInfo,
     TransferChunk, Update, UpdateMetrics, PROTOCOL_VERSION,
 };
 pub use secure::{SecAggMessage, SecAggPlan};
-pub use signing::{PlanSigner, PlanVerifier, SignatureError};
+pub use signing::{SignatureError, Signed, Signer, TrustedKey};
 pub use tensor::{byte_bounds, TensorPayload, ToWire, WireDType, WireTensor, MASKED_TENSOR};

@@ -17,6 +17,11 @@ pub struct Limits {
     pub max_spec_bytes: usize,
 }
 
+/// The highest round a job may reach (the closing evaluation round included): far above
+/// any real job, and low enough that a round number out of a corrupt file or a hostile
+/// plan is recognised as such rather than locking a device out of every later round.
+pub const MAX_ROUND: u64 = 1_000_000;
+
 /// Default chunk size: 1 MiB. A whole DistilGPT-2 base in f32 is 328 MB, beyond MQTT's
 /// 256 MB packet limit and far beyond what a small broker buffers comfortably.
 pub const DEFAULT_CHUNK_BYTES: usize = 1 << 20;

@@ -186,6 +186,14 @@ pub struct RoundPlan {
     /// another device must not make every device still in flight upload twice.
     #[serde(default)]
     pub sender_epoch: u64,
+    /// The job the plan belongs to. Signed, so a plan of one job is refused in another.
+    #[serde(default)]
+    pub job: String,
+    /// The run of the job: drawn at random when the aggregator starts a job afresh and
+    /// kept across `--resume`. Signed, so a plan of an earlier run is refused by devices
+    /// that follow a later one.
+    #[serde(default)]
+    pub run: u64,
 }
 
 /// What a device measured in its local round.
@@ -241,7 +249,7 @@ pub struct TransferChunk {
 }
 
 /// The outcome of a round, for devices and observers.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct RoundResult {
     /// The round.
     pub round: u64,
@@ -254,6 +262,16 @@ pub struct RoundResult {
     pub global_digest: Vec<u8>,
     /// The job is over; devices may exit.
     pub finished: bool,
+    /// The job, as in [`RoundPlan::job`].
+    #[serde(default)]
+    pub job: String,
+    /// The run, as in [`RoundPlan::run`].
+    #[serde(default)]
+    pub run: u64,
+    /// The aggregator's Ed25519 signature over the rest of the result (empty: unsigned), so
+    /// that devices which pin its key end only when it says so.
+    #[serde(default, with = "serde_bytes")]
+    pub signature: Vec<u8>,
 }
 
 /// Every message kind.
@@ -331,6 +349,28 @@ pub(crate) fn check_name(field: &'static str, s: &str, limits: &Limits) -> Resul
         });
     }
     Ok(())
+}
+
+fn check_round(round: u64) -> Result<()> {
+    if round <= crate::limits::MAX_ROUND {
+        Ok(())
+    } else {
+        Err(WireError::InvalidField {
+            field: "round",
+            reason: format!("{round} is beyond the highest round a job may reach, {}", crate::limits::MAX_ROUND),
+        })
+    }
+}
+
+fn check_signature_len(signature: &[u8]) -> Result<()> {
+    if matches!(signature.len(), 0 | 64) {
+        Ok(())
+    } else {
+        Err(WireError::InvalidField {
+            field: "signature",
+            reason: format!("{} bytes; an Ed25519 signature has 64", signature.len()),
+        })
+    }
 }
 
 fn check_finite(field: &'static str, v: f64) -> Result<()> {
@@ -457,6 +497,7 @@ impl Message {
                 check_name("backend", &h.backend, limits)
             }
             Self::Plan(p) => {
+                check_round(p.round)?;
                 for d in &p.selected {
                     check_name("selected", d, limits)?;
                 }
@@ -472,12 +513,8 @@ impl Message {
                         reason: format!("{} bytes exceed the limit of {}", p.model_spec.len(), limits.max_spec_bytes),
                     });
                 }
-                if !matches!(p.signature.len(), 0 | 64) {
-                    return Err(WireError::InvalidField {
-                        field: "signature",
-                        reason: format!("{} bytes; an Ed25519 signature has 64", p.signature.len()),
-                    });
-                }
+                check_name("job", &p.job, limits)?;
+                check_signature_len(&p.signature)?;
                 if let Some(secagg) = &p.secagg {
                     secagg.validate()?;
                 }
@@ -511,10 +548,12 @@ impl Message {
                 check_name("reason", &d.reason, limits)
             }
             Self::Result(r) => {
+                check_round(r.round)?;
                 for d in &r.participants {
                     check_name("participants", d, limits)?;
                 }
-                Ok(())
+                check_name("job", &r.job, limits)?;
+                check_signature_len(&r.signature)
             }
         }
     }

@@ -1,11 +1,14 @@
-//! Signed round plans.
+//! Signed plans and results.
 //!
-//! The aggregator signs every plan it publishes with an Ed25519 key; a device that pins the
-//! matching public key (`fedpo-device run --trust-key`) trains only on plans whose
-//! signature verifies. The plan names the digest of the global model and of every section,
-//! and devices check each transfer against those digests, so one signature covers the
-//! model too. The signed bytes are the plan's CBOR with an empty signature, behind a
-//! domain tag, so a signature can never be replayed as anything else.
+//! The aggregator signs every plan and every round result it publishes with an Ed25519
+//! key; a device that pins the matching public key (`fedpo-device run --trust-key`) trains
+//! only on plans, and ends only on results, whose signature verifies. The plan names the
+//! digest of the global model and of every section, and devices check each transfer
+//! against those digests, so one signature covers the model too. Both name the job and
+//! the run they belong to, so that a device can refuse what was signed for another job or
+//! an earlier run of the same one, as TUF and Uptane bind their metadata to a repository
+//! and a version. The signed bytes are the message's CBOR with an empty signature, behind
+//! a domain tag per kind, so a signature can never be replayed as anything else.
 
 use std::path::Path;
 
@@ -14,26 +17,27 @@ use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::PrivatePkcs8KeyDer;
 use thiserror::Error;
 
-use crate::message::RoundPlan;
+use crate::message::{RoundPlan, RoundResult};
 
-/// What the signature covers is announced by this prefix.
-const DOMAIN: &[u8] = b"fedpo round plan v1\0";
-
-/// Why a plan or a key was refused.
+/// Why a message or a key was refused.
 #[derive(Debug, Error, PartialEq)]
 pub enum SignatureError {
-    /// The plan carries no signature.
-    #[error("round {round}: the plan is not signed")]
+    /// The message carries no signature.
+    #[error("round {round}: the {kind} is not signed")]
     Unsigned {
-        /// The plan's round.
+        /// `plan` or `result`.
+        kind: &'static str,
+        /// The message's round.
         round: u64,
     },
-    /// The signature does not match the plan and the pinned key.
+    /// The signature does not match the message and the pinned key.
     #[error(
-        "round {round}: the plan's signature does not verify with the trusted key (tampered, or signed by another key)"
+        "round {round}: the {kind}'s signature does not verify with the trusted key (tampered, or signed by another key)"
     )]
     Invalid {
-        /// The plan's round.
+        /// `plan` or `result`.
+        kind: &'static str,
+        /// The message's round.
         round: u64,
     },
     /// A key file or string that cannot be used.
@@ -41,25 +45,67 @@ pub enum SignatureError {
     Key(String),
 }
 
-fn signed_bytes(plan: &RoundPlan) -> Vec<u8> {
-    let unsigned = RoundPlan { signature: Vec::new(), ..plan.clone() };
-    let mut bytes = DOMAIN.to_vec();
-    bytes.extend(serde_cbor::to_vec(&unsigned).expect("a plan always encodes"));
-    bytes
+/// A message the aggregator signs. Sealed: only fedpo's own kinds, each with its domain.
+pub trait Signed: Clone + serde::Serialize + sealed::Sealed {
+    /// Prefix of the signed bytes, one per kind.
+    const DOMAIN: &'static [u8];
+    /// The kind, for errors and logs.
+    const KIND: &'static str;
+    /// The round the message is about.
+    fn round(&self) -> u64;
+    /// The signature field.
+    fn signature_mut(&mut self) -> &mut Vec<u8>;
 }
 
-/// The aggregator's signing key.
-pub struct PlanSigner {
-    key: Ed25519KeyPair,
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for crate::message::RoundPlan {}
+    impl Sealed for crate::message::RoundResult {}
 }
 
-impl std::fmt::Debug for PlanSigner {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "PlanSigner({})", self.public_key_hex())
+impl Signed for RoundPlan {
+    const DOMAIN: &'static [u8] = b"fedpo round plan v1\0";
+    const KIND: &'static str = "plan";
+    fn round(&self) -> u64 {
+        self.round
+    }
+    fn signature_mut(&mut self) -> &mut Vec<u8> {
+        &mut self.signature
     }
 }
 
-impl PlanSigner {
+impl Signed for RoundResult {
+    const DOMAIN: &'static [u8] = b"fedpo round result v1\0";
+    const KIND: &'static str = "result";
+    fn round(&self) -> u64 {
+        self.round
+    }
+    fn signature_mut(&mut self) -> &mut Vec<u8> {
+        &mut self.signature
+    }
+}
+
+/// The message's signature, and the bytes it signs.
+fn split<M: Signed>(message: &M) -> (Vec<u8>, Vec<u8>) {
+    let mut unsigned = message.clone();
+    let signature = std::mem::take(unsigned.signature_mut());
+    let mut bytes = M::DOMAIN.to_vec();
+    bytes.extend(serde_cbor::to_vec(&unsigned).expect("a message always encodes"));
+    (signature, bytes)
+}
+
+/// The aggregator's signing key.
+pub struct Signer {
+    key: Ed25519KeyPair,
+}
+
+impl std::fmt::Debug for Signer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Signer({})", self.public_key_hex())
+    }
+}
+
+impl Signer {
     /// Reads a PEM PKCS#8 Ed25519 private key, as `openssl genpkey -algorithm ed25519` or
     /// `security/make-certs.sh` writes it.
     pub fn from_pem_file(path: &Path) -> Result<Self, SignatureError> {
@@ -76,19 +122,20 @@ impl PlanSigner {
         hex::encode(self.key.public_key().as_ref())
     }
 
-    /// Signs `plan` in place (replacing any signature it had).
-    pub fn sign(&self, plan: &mut RoundPlan) {
-        plan.signature = self.key.sign(&signed_bytes(plan)).as_ref().to_vec();
+    /// Signs `message` in place (replacing any signature it had).
+    pub fn sign<M: Signed>(&self, message: &mut M) {
+        let (_, bytes) = split(message);
+        *message.signature_mut() = self.key.sign(&bytes).as_ref().to_vec();
     }
 }
 
 /// A device's pinned aggregator key.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PlanVerifier {
+pub struct TrustedKey {
     key: [u8; 32],
 }
 
-impl PlanVerifier {
+impl TrustedKey {
     /// From 64 hex digits, or a file holding them.
     pub fn parse(hex_or_file: &str) -> Result<Self, SignatureError> {
         let text = match std::fs::read_to_string(hex_or_file) {
@@ -104,14 +151,15 @@ impl PlanVerifier {
         Ok(Self { key })
     }
 
-    /// Checks `plan`'s signature.
-    pub fn verify(&self, plan: &RoundPlan) -> Result<(), SignatureError> {
-        if plan.signature.is_empty() {
-            return Err(SignatureError::Unsigned { round: plan.round });
+    /// Checks `message`'s signature.
+    pub fn verify<M: Signed>(&self, message: &M) -> Result<(), SignatureError> {
+        let (signature, bytes) = split(message);
+        if signature.is_empty() {
+            return Err(SignatureError::Unsigned { kind: M::KIND, round: message.round() });
         }
         UnparsedPublicKey::new(&ED25519, self.key)
-            .verify(&signed_bytes(plan), &plan.signature)
-            .map_err(|_| SignatureError::Invalid { round: plan.round })
+            .verify(&bytes, &signature)
+            .map_err(|_| SignatureError::Invalid { kind: M::KIND, round: message.round() })
     }
 }
 
@@ -130,15 +178,15 @@ MC4CAQAwBQYDK2VwBCIEIIcSE7MhiSE7IWxuP8sbDD87cpHdl64u81Gdu9NQyFIE
 ";
     const OPENSSL_PUBLIC: &str = "86097512ece3402cf85900ab608bad73f57143416597c16a5aa4374c090cb58c";
 
-    fn signer(dir: &Path, name: &str) -> PlanSigner {
+    fn signer(dir: &Path, name: &str) -> Signer {
         let path = dir.join(name);
         std::fs::write(&path, OPENSSL_KEY).unwrap();
-        PlanSigner::from_pem_file(&path).unwrap()
+        Signer::from_pem_file(&path).unwrap()
     }
 
-    fn random_signer() -> PlanSigner {
+    fn random_signer() -> Signer {
         let pkcs8 = Ed25519KeyPair::generate_pkcs8(&ring::rand::SystemRandom::new()).unwrap();
-        PlanSigner { key: Ed25519KeyPair::from_pkcs8(pkcs8.as_ref()).unwrap() }
+        Signer { key: Ed25519KeyPair::from_pkcs8(pkcs8.as_ref()).unwrap() }
     }
 
     fn plan() -> RoundPlan {
@@ -155,6 +203,8 @@ MC4CAQAwBQYDK2VwBCIEIIcSE7MhiSE7IWxuP8sbDD87cpHdl64u81Gdu9NQyFIE
             secagg: None,
             update_codec: Default::default(),
             sender_epoch: 7,
+            job: "lab".into(),
+            run: 42,
         }
     }
 
@@ -163,27 +213,63 @@ MC4CAQAwBQYDK2VwBCIEIIcSE7MhiSE7IWxuP8sbDD87cpHdl64u81Gdu9NQyFIE
         let dir = tempfile::tempdir().unwrap();
         let s = signer(dir.path(), "agg.key");
         assert_eq!(s.public_key_hex(), OPENSSL_PUBLIC, "the same public key as openssl derives");
-        let verifier = PlanVerifier::parse(&s.public_key_hex()).unwrap();
+        let verifier = TrustedKey::parse(&s.public_key_hex()).unwrap();
         let mut p = plan();
-        assert_eq!(verifier.verify(&p), Err(SignatureError::Unsigned { round: 1 }));
+        assert_eq!(verifier.verify(&p), Err(SignatureError::Unsigned { kind: "plan", round: 1 }));
         s.sign(&mut p);
         assert_eq!(verifier.verify(&p), Ok(()));
 
         let mut tampered = p.clone();
         tampered.global_model.digest[0] ^= 1; // another model
-        assert_eq!(verifier.verify(&tampered), Err(SignatureError::Invalid { round: 1 }));
+        assert_eq!(verifier.verify(&tampered), Err(SignatureError::Invalid { kind: "plan", round: 1 }));
         let mut tampered = p.clone();
         tampered.hyper.lr = 10.0;
-        assert_eq!(verifier.verify(&tampered), Err(SignatureError::Invalid { round: 1 }));
+        assert_eq!(verifier.verify(&tampered), Err(SignatureError::Invalid { kind: "plan", round: 1 }));
+        let mut tampered = p.clone();
+        tampered.run += 1; // the same plan in another run
+        assert_eq!(verifier.verify(&tampered), Err(SignatureError::Invalid { kind: "plan", round: 1 }));
+        let mut tampered = p.clone();
+        tampered.job = "other".into();
+        assert_eq!(verifier.verify(&tampered), Err(SignatureError::Invalid { kind: "plan", round: 1 }));
         let mut tampered = p.clone();
         tampered.selected.push("pi-8".into());
-        assert_eq!(verifier.verify(&tampered), Err(SignatureError::Invalid { round: 1 }));
+        assert_eq!(verifier.verify(&tampered), Err(SignatureError::Invalid { kind: "plan", round: 1 }));
 
         // A plan signed by another key does not verify either.
         let other = random_signer();
         let mut forged = plan();
         other.sign(&mut forged);
-        assert_eq!(verifier.verify(&forged), Err(SignatureError::Invalid { round: 1 }));
+        assert_eq!(verifier.verify(&forged), Err(SignatureError::Invalid { kind: "plan", round: 1 }));
+    }
+
+    #[test]
+    fn a_signed_result_verifies_and_a_plan_signature_never_passes_for_a_result() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = signer(dir.path(), "agg.key");
+        let verifier = TrustedKey::parse(&s.public_key_hex()).unwrap();
+        let mut result = RoundResult {
+            round: 3,
+            participants: vec!["pi-7".into()],
+            train_loss: 0.5,
+            global_digest: vec![7; 32],
+            finished: true,
+            job: "lab".into(),
+            run: 42,
+            signature: Vec::new(),
+        };
+        assert_eq!(verifier.verify(&result), Err(SignatureError::Unsigned { kind: "result", round: 3 }));
+        s.sign(&mut result);
+        assert_eq!(verifier.verify(&result), Ok(()));
+        let mut other_run = result.clone();
+        other_run.run = 41;
+        assert_eq!(verifier.verify(&other_run), Err(SignatureError::Invalid { kind: "result", round: 3 }));
+
+        // The domain tags keep one kind's signature from passing for another's bytes.
+        let mut p = plan();
+        s.sign(&mut p);
+        let mut dressed = result.clone();
+        dressed.signature = p.signature.clone();
+        assert_eq!(verifier.verify(&dressed), Err(SignatureError::Invalid { kind: "result", round: 3 }));
     }
 
     #[test]
@@ -192,14 +278,14 @@ MC4CAQAwBQYDK2VwBCIEIIcSE7MhiSE7IWxuP8sbDD87cpHdl64u81Gdu9NQyFIE
         let s = signer(dir.path(), "agg.key");
         let file = dir.path().join("agg.pub");
         std::fs::write(&file, format!("{}\n", s.public_key_hex())).unwrap();
-        assert_eq!(PlanVerifier::parse(file.to_str().unwrap()), PlanVerifier::parse(&s.public_key_hex()));
-        let short = PlanVerifier::parse("abcd").unwrap_err().to_string();
+        assert_eq!(TrustedKey::parse(file.to_str().unwrap()), TrustedKey::parse(&s.public_key_hex()));
+        let short = TrustedKey::parse("abcd").unwrap_err().to_string();
         assert!(short.contains("2 bytes, an Ed25519 public key has 32"), "{short}");
-        let junk = PlanVerifier::parse("not-hex").unwrap_err().to_string();
+        let junk = TrustedKey::parse("not-hex").unwrap_err().to_string();
         assert!(junk.contains("64 hex digits"), "{junk}");
         let bad_pem = dir.path().join("bad.key");
         std::fs::write(&bad_pem, "hello").unwrap();
-        let e = PlanSigner::from_pem_file(&bad_pem).unwrap_err().to_string();
+        let e = Signer::from_pem_file(&bad_pem).unwrap_err().to_string();
         assert!(e.contains("bad.key") && e.contains("PEM"), "{e}");
     }
 }

@@ -51,7 +51,7 @@ fn arb_message() -> impl Strategy<Value = Message> {
             })
         ),
         (
-            any::<u64>(),
+            0..=fedpo_wire::MAX_ROUND,
             proptest::collection::vec(name(), 0..8),
             1u32..100,
             finite(),
@@ -89,6 +89,8 @@ fn arb_message() -> impl Strategy<Value = Message> {
                         secagg,
                         update_codec,
                         sender_epoch: round.rotate_left(17),
+                        job: "lab".into(),
+                        run: round.rotate_left(29),
                     })
                 }
             ),
@@ -115,14 +117,23 @@ fn arb_message() -> impl Strategy<Value = Message> {
             }
         ),
         (
-            any::<u64>(),
+            0..=fedpo_wire::MAX_ROUND,
             proptest::collection::vec(name(), 0..8),
             finite(),
             proptest::collection::vec(any::<u8>(), 32),
             any::<bool>()
         )
             .prop_map(|(round, participants, train_loss, global_digest, finished)| {
-                Message::Result(RoundResult { round, participants, train_loss, global_digest, finished })
+                Message::Result(RoundResult {
+                    round,
+                    participants,
+                    train_loss,
+                    global_digest,
+                    finished,
+                    job: "lab".into(),
+                    run: round ^ 0x5a,
+                    signature: Vec::new(),
+                })
             }),
         (name(), "[ -~]{0,80}").prop_map(|(device, reason)| Message::Bye(DeviceBye { device, reason })),
         arb_secagg_message().prop_map(Message::SecAgg),
@@ -273,6 +284,8 @@ fn plan_with_non_finite_learning_rate_is_refused() {
         secagg: None,
         update_codec: Default::default(),
         sender_epoch: 0,
+        job: "lab".into(),
+        run: 1,
     });
     let err = Message::decode(&msg.encode(), &Limits::default()).unwrap_err();
     assert!(err.to_string().contains("lr"), "{err}");
@@ -292,6 +305,8 @@ fn plan_with_an_oversized_model_spec_is_refused_naming_the_field() {
         secagg: None,
         update_codec: Default::default(),
         sender_epoch: 0,
+        job: "lab".into(),
+        run: 1,
     });
     let err = Message::decode(&msg.encode(), &Limits::default()).unwrap_err().to_string();
     assert!(err.contains("model_spec") && err.contains("65536"), "{err}");
@@ -409,4 +424,13 @@ fn a_manifest_must_announce_exactly_the_chunks_its_bytes_take() {
         let err = manifest("r1/dev-0", bytes, chunks).validate(&limits).unwrap_err().to_string();
         assert!(err.contains("chunks") && err.contains(&chunks.to_string()), "{bytes} bytes, {chunks} chunks: {err}");
     }
+}
+
+#[test]
+fn a_result_beyond_the_highest_round_is_refused_as_it_is_decoded() {
+    let at_limit = Message::Result(RoundResult { round: fedpo_wire::MAX_ROUND, ..RoundResult::default() });
+    assert!(Message::decode(&at_limit.encode(), &Limits::default()).is_ok());
+    let beyond = Message::Result(RoundResult { round: fedpo_wire::MAX_ROUND + 1, ..RoundResult::default() });
+    let e = Message::decode(&beyond.encode(), &Limits::default()).unwrap_err().to_string();
+    assert!(e.contains("round") && e.contains("beyond the highest round"), "{e}");
 }

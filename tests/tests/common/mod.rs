@@ -177,6 +177,8 @@ pub fn participant_config(
         start_on_disk: false,
         compute_dtype: candle_core::DType::F32,
         trusted_key: None,
+        rejoin: false,
+        reset_adapter: false,
         alone_in_process: false,
         adversary: None,
         stop: Arc::new(AtomicBool::new(false)),

@@ -62,6 +62,8 @@ mod tests {
             secagg: None,
             update_codec: UpdateCodec::F32,
             sender_epoch: 1,
+            job: "lab".into(),
+            run: 1,
         }
     }
 
