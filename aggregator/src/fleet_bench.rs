@@ -90,7 +90,7 @@ pub(crate) fn run(args: FleetBenchArgs) -> Result<()> {
     if args.devices == 0 || args.rounds == 0 {
         bail!("--devices and --rounds must be at least 1");
     }
-    raise_open_file_limit(args.devices as u64 * 2 + 256);
+    raise_open_file_limit(args.devices as u64 * 4 + 256);
     std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
     let (url, _embedded) = match &args.broker {
         Some(u) => (BrokerUrl::parse(u)?, None),
@@ -322,8 +322,8 @@ fn report(args: &FleetBenchArgs, broker: &str, out: &Path, delta_norm: f64, wall
     Ok(())
 }
 
-/// Raises the soft open-file limit towards `wanted` (two sockets per device with the
-/// embedded broker), up to the hard limit.
+/// Raises the soft open-file limit towards `wanted` (four sockets per device with the
+/// embedded broker: two connections, both ends), up to the hard limit.
 fn raise_open_file_limit(wanted: u64) {
     #[cfg(unix)]
     {

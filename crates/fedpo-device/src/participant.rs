@@ -180,6 +180,14 @@ pub fn run(cfg: ParticipantConfig) -> Result<ParticipantSummary, ParticipantErro
     if topics.device_of(&topics.up(&cfg.id)) != Some(cfg.id.as_str()) || cfg.id.contains(['/', '+', '#']) {
         return Err(ParticipantError::Config(format!("device id `{}` cannot be an MQTT topic level", cfg.id)));
     }
+    if cfg.id.ends_with(fedpo_transport::UP_SUFFIX) {
+        // Device `x`'s publishing connection already has that client id.
+        return Err(ParticipantError::Config(format!(
+            "device id `{}` cannot end in `{}`",
+            cfg.id,
+            fedpo_transport::UP_SUFFIX
+        )));
+    }
     if cfg.train.is_empty() {
         return Err(ParticipantError::Config(format!("device `{}` has no training pairs", cfg.id)));
     }

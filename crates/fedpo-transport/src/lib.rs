@@ -20,7 +20,7 @@ mod url;
 
 pub use broker::{read_password_file, EmbeddedBroker};
 pub use error::{Result, TransportError};
-pub use link::{Delivery, LinkEvent, LinkOptions, MqttLink};
+pub use link::{Delivery, LinkEvent, LinkOptions, MqttLink, UP_SUFFIX};
 pub use outbox::Outbox;
 pub use throttle::WarnThrottle;
 pub use topics::Topics;

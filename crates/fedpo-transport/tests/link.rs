@@ -124,11 +124,21 @@ fn a_session_that_comes_up_after_the_link_gave_up_is_ended_with_a_disconnect_not
 
 #[test]
 fn closing_a_link_whose_broker_went_away_returns_without_waiting_out_the_backoff() {
-    // A one-shot broker: accepts one CONNECT, answers it, then closes the socket and the
-    // port, so every reconnect is refused and the backoff doubles.
-    let (port, one_shot) = one_client_broker(|mut sock| {
-        sock.write_all(&[0x20, 2, 0, 0]).unwrap();
+    // A one-shot broker: accepts the link's two CONNECTs, answers them, then closes the
+    // sockets and the port, so every reconnect is refused and the backoff doubles.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let one_shot = std::thread::spawn(move || {
+        let sockets: Vec<_> = (0..2)
+            .map(|_| {
+                let (mut sock, _) = listener.accept().unwrap();
+                let _ = sock.read(&mut [0u8; 256]).unwrap();
+                sock.write_all(&[0x20, 2, 0, 0]).unwrap();
+                sock
+            })
+            .collect();
         std::thread::sleep(Duration::from_millis(200));
+        drop(sockets);
     });
     let url = fedpo_transport::BrokerUrl::parse(&format!("mqtt://127.0.0.1:{port}")).unwrap();
     let mut opts = LinkOptions::new("left-behind");

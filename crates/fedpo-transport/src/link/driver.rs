@@ -1,4 +1,4 @@
-//! The background thread behind an [`MqttLink`](super::MqttLink): rumqttc's event loop,
+//! The background thread behind a [`Connection`](super::connection::Connection): rumqttc's event loop,
 //! a fresh client for each broker session, the replay of the outbox after every ConnAck,
 //! backoff between attempts, and the inbound byte budget.
 
@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 
 use rumqttc::{Client, Connection, Event, MqttOptions, Outgoing, Packet, QoS};
 
-use super::{lock, Delivery, LinkEvent, Shared};
+use super::connection::{lock, Shared};
+use super::{Delivery, LinkEvent};
 
 pub(super) struct DriveLimits {
     /// For the fresh client each new session gets.
@@ -22,7 +23,7 @@ pub(super) struct DriveLimits {
 /// Waits, with the event loop paused, until `len` more bytes fit the budget (a message
 /// larger than the whole budget passes alone). It never waits while a publish of ours is
 /// still to be written: that needs the loop, and a caller blocked in
-/// [`MqttLink::publish`] would otherwise never come back to take what is queued.
+/// `publish` would otherwise never come back to take what is queued.
 fn admit(shared: &Shared, len: usize, budget: Option<usize>) {
     let mut inbound = lock(&shared.inbound);
     if let Some(budget) = budget {
@@ -104,6 +105,10 @@ pub(super) fn drive(
                 shared.acked.notify_all();
             }
             Ok(Event::Outgoing(Outgoing::Publish(pkid))) => lock(&shared.outbox).sent(pkid),
+            Ok(Event::Incoming(Packet::SubAck(_))) => {
+                *lock(&shared.subacks) += 1;
+                shared.subscribed.notify_all();
+            }
             Ok(_) => {}
             Err(e) => {
                 if shared.stop.load(Ordering::SeqCst) {
