@@ -86,9 +86,9 @@ impl BrokerArgs {
         Ok((url, broker))
     }
 
-    /// The users of --broker-passwords: who may join the job, unless --devices-file says.
-    pub(crate) fn broker_users(&self) -> Result<Option<std::collections::BTreeSet<String>>> {
-        Ok(self.broker_passwords.as_deref().map(read_password_file).transpose()?.map(|u| u.into_keys().collect()))
+    /// The logins of --broker-passwords (user → password).
+    pub(crate) fn broker_logins(&self) -> Result<Option<std::collections::HashMap<String, String>>> {
+        Ok(self.broker_passwords.as_deref().map(read_password_file).transpose()?)
     }
 
     pub(crate) fn tls(&self) -> TlsFiles {

@@ -95,8 +95,8 @@ fn serve(args: ServeArgs) -> Result<()> {
     let link = MqttLink::connect(&url, &opts)?;
     tracing::info!(broker = %url, job = %args.job.job, "aggregator connected");
     let mut server = server::Server::new(link, args.job, &args.out, args.resume)?;
-    if let Some(users) = args.broker.broker_users()? {
-        server.allow_only_if_unset(users);
+    if let Some(logins) = args.broker.broker_logins()? {
+        server.authenticate_devices(logins);
     }
     let summary = server.run()?;
     tracing::info!(digest = %server.global().digest_hex(), rounds = summary.rounds, "job finished");

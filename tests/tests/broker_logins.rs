@@ -1,7 +1,9 @@
 //! The embedded broker with logins (`serve --embedded-broker … --broker-passwords FILE`):
 //! a client without the right password cannot connect, and a device that can log in
-//! cannot fill the job with made-up devices: 1,000 hellos under ids the password file
-//! does not list are ignored, so the job waits for its real devices and counts them.
+//! cannot fill the job with made-up devices (1,000 hellos under ids the password file
+//! does not list are ignored, so the job waits for its real devices), nor pose as another
+//! device (a goodbye and hellos under dev-0's topic without dev-0's tag change nothing):
+//! the round counts all three real devices.
 
 mod common;
 
@@ -9,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use common::fake_device::FakeDevice;
 use fedpo_transport::{BrokerUrl, LinkOptions, MqttLink, Topics};
-use fedpo_wire::{DeviceHello, Message};
+use fedpo_wire::{DeviceBye, DeviceHello, Message};
 
 const JOB: &str = "logins";
 
@@ -24,7 +26,7 @@ fn try_connect(url: &BrokerUrl, client: &str) -> Option<MqttLink> {
 }
 
 #[test]
-fn only_listed_logins_connect_and_a_flood_of_made_up_hellos_registers_no_one() {
+fn only_listed_logins_connect_and_neither_made_up_devices_nor_forged_hellos_and_goodbyes_count() {
     let dir = fedpo_tests::TestDir::new();
     let passwords = dir.path().join("passwords");
     std::fs::write(&passwords, "# the fleet\ndev-0:zero\ndev-1:one\ndev-2:two\n").unwrap();
@@ -62,6 +64,7 @@ fn only_listed_logins_connect_and_a_flood_of_made_up_hellos_registers_no_one() {
             memory_mb: 0,
             instance: 1,
             connection: 1,
+            tag: Vec::new(),
         };
         attacker.publish(&topics.up(&id), Message::Hello(hello).encode()).unwrap();
     }
@@ -82,6 +85,25 @@ fn only_listed_logins_connect_and_a_flood_of_made_up_hellos_registers_no_one() {
         .into_iter()
         .map(|joining| joining.join().unwrap())
         .collect();
+    // dev-2's login, used to pose as dev-0: a goodbye, and hellos from two other
+    // processes that would get dev-0 left out of the job as claimed twice.
+    let mut forged_bye = DeviceBye::new("dev-0", "forged");
+    fedpo_wire::device_tag::tag(&mut forged_bye, "two");
+    attacker.publish(&topics.up("dev-0"), Message::Bye(forged_bye).encode()).unwrap();
+    for instance in [0xa, 0xb, 0xa] {
+        let hello = DeviceHello {
+            device: "dev-0".into(),
+            pairs: 4,
+            backend: "cpu".into(),
+            memory_mb: 0,
+            instance,
+            connection: 1,
+            tag: Vec::new(),
+        };
+        attacker.publish(&topics.up("dev-0"), Message::Hello(hello).encode()).unwrap();
+    }
+    assert!(attacker.flush(Duration::from_secs(30)));
+    std::thread::sleep(Duration::from_secs(1));
     drop(attacker);
     for (device, plan) in &devices {
         device.send(plan, 1, 0.1, false);

@@ -59,6 +59,11 @@ impl Identities {
         }
     }
 
+    /// The instance last heard under `device`.
+    pub(super) fn current(&self, device: &str) -> Option<u64> {
+        self.instances.get(device).map(|(current, _)| *current)
+    }
+
     pub(super) fn is_conflicted(&self, device: &str) -> bool {
         self.conflicted.contains_key(device)
     }

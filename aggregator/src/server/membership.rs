@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
+use fedpo_wire::device_tag::{self, Tagged};
 use fedpo_wire::{DeviceBye, DeviceHello};
 
 use super::identity::Claim;
@@ -34,10 +35,19 @@ impl Server {
         Some(anyhow::anyhow!("{who} left the job. {}", said.collect::<Vec<_>>().join("; ")))
     }
 
-    /// Lets only `devices` join, when no --devices-file says otherwise (the embedded
-    /// broker's users).
-    pub(crate) fn allow_only_if_unset(&mut self, devices: std::collections::BTreeSet<String>) {
-        self.allowed.get_or_insert(devices);
+    /// The embedded broker's logins (user → password): only these devices may join,
+    /// when no --devices-file says otherwise, and each must tag its hellos and goodbyes
+    /// with its password, since that broker lets any client publish under any topic.
+    pub(crate) fn authenticate_devices(&mut self, logins: std::collections::HashMap<String, String>) {
+        self.allowed.get_or_insert_with(|| logins.keys().cloned().collect());
+        self.device_passwords = Some(logins);
+    }
+
+    /// Whether `message` from `device` carries its login's tag (true without logins).
+    fn authentic<M: Tagged>(&self, device: &str, message: &M) -> bool {
+        self.device_passwords
+            .as_ref()
+            .is_none_or(|logins| logins.get(device).is_some_and(|password| device_tag::verify(message, password)))
     }
 
     pub(super) fn online(&self) -> Vec<String> {
@@ -76,6 +86,10 @@ impl Server {
     pub(super) fn on_hello(&mut self, device: String, h: DeviceHello, open: Option<&mut OpenRound>) -> Result<()> {
         if h.device != device {
             self.warnings.warn(&device, "hello", &format!("hello names device `{}`; ignored", h.device));
+            return Ok(());
+        }
+        if !self.authentic(&device, &h) {
+            self.warnings.warn(&device, "hello", "hello without this device's login tag; ignored");
             return Ok(());
         }
         if !self.state.devices.contains_key(&device) {
@@ -137,6 +151,15 @@ impl Server {
 
     /// A device's goodbye, or the broker's last will for it.
     pub(super) fn on_bye(&mut self, device: String, b: &DeviceBye) {
+        if !self.authentic(&device, b) {
+            self.warnings.warn(&device, "bye", "goodbye without this device's login tag; ignored");
+            return;
+        }
+        if b.instance != 0 && self.identities.current(&device).is_some_and(|current| current != b.instance) {
+            // The last will of a process the device has since replaced, say.
+            tracing::debug!(%device, instance = b.instance, "goodbye from an earlier instance; ignored");
+            return;
+        }
         if b.is_deliberate() {
             self.farewells.insert(device.clone(), b.reason.clone());
         }

@@ -65,6 +65,9 @@ pub(crate) struct Server {
     warnings: WarnThrottle,
     /// The devices that may join (--devices-file, or the broker's users); `None`: any.
     allowed: Option<std::collections::BTreeSet<String>>,
+    /// The embedded broker's logins: a device listed must tag its hellos and goodbyes
+    /// with its password (see `fedpo_wire::device_tag`).
+    device_passwords: Option<std::collections::HashMap<String, String>>,
     /// The plan's `sender_epoch`: random per process, bumped on every broker connection.
     epoch: u64,
     /// The global model's wire encoding, made when a round changed the model: closing the
@@ -209,6 +212,7 @@ impl Server {
             identities: Identities::default(),
             warnings: WarnThrottle::default(),
             allowed: job.devices_file.as_deref().map(crate::job::read_devices_file).transpose()?,
+            device_passwords: None,
             epoch: rand::random(),
             link,
             topics,

@@ -137,6 +137,15 @@ pub struct ParticipantSummary {
     pub rounds_with_start_on_disk: Vec<u64>,
 }
 
+/// `message` tagged with the device's broker password, where its URL has one: an
+/// aggregator hosting a broker without per-topic ACLs tells it from a forgery by that.
+fn tagged<M: fedpo_wire::device_tag::Tagged>(mut message: M, broker: &BrokerUrl) -> M {
+    if let Some(password) = &broker.password {
+        fedpo_wire::device_tag::tag(&mut message, password);
+    }
+    message
+}
+
 /// A seed from the device id, so every device's fresh adapter differs.
 fn device_seed(id: &str) -> u64 {
     id.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
@@ -203,7 +212,8 @@ pub fn run(cfg: ParticipantConfig) -> Result<ParticipantSummary, ParticipantErro
     state.check(cfg.reset_adapter, &references)?;
     let mut opts = LinkOptions::new(format!("fedpo-{}-{}", cfg.job, cfg.id));
     opts.tls = cfg.tls.clone();
-    let will = Message::Bye(DeviceBye::last_will(cfg.id.clone()));
+    let instance = rand::random::<u64>().max(1);
+    let will = Message::Bye(tagged(DeviceBye::last_will(cfg.id.clone()).from_instance(instance), &cfg.broker));
     opts.last_will = Some((topics.up(&cfg.id), will.encode()));
     let link = MqttLink::connect(&cfg.broker, &opts)?;
     link.subscribe(&topics.down())?;
@@ -220,7 +230,7 @@ pub fn run(cfg: ParticipantConfig) -> Result<ParticipantSummary, ParticipantErro
         summary: ParticipantSummary::default(),
         micro_batch_pairs: None,
         start_on_disk: false,
-        instance: rand::random::<u64>().max(1),
+        instance,
         connection: 1,
         sent_under: None,
         plan_epoch: 0,
@@ -233,13 +243,14 @@ pub fn run(cfg: ParticipantConfig) -> Result<ParticipantSummary, ParticipantErro
     let _enter = span.enter();
     if let Err(e) = p.event_loop() {
         if matches!(e, ParticipantError::Memory { .. }) {
-            let bye = Message::Bye(DeviceBye::new(p.cfg.id.clone(), &e.to_string()));
+            let bye = DeviceBye::new(p.cfg.id.clone(), &e.to_string()).from_instance(p.instance);
+            let bye = Message::Bye(tagged(bye, &p.cfg.broker));
             let _ = p.link.publish(&p.topics.up(&p.cfg.id), bye.encode());
             p.link.close(Duration::from_secs(10));
         }
         return Err(e);
     }
-    let bye = Message::Bye(DeviceBye { device: p.cfg.id.clone(), reason: "done".into() });
+    let bye = Message::Bye(tagged(DeviceBye::new(p.cfg.id.clone(), "done").from_instance(p.instance), &p.cfg.broker));
     let _ = p.link.publish(&p.topics.up(&p.cfg.id), bye.encode());
     let summary = p.summary.clone();
     p.link.close(Duration::from_secs(10));
@@ -257,14 +268,16 @@ impl Participant {
     }
 
     fn hello(&self) -> Result<(), ParticipantError> {
-        self.send(&Message::Hello(DeviceHello {
+        let hello = DeviceHello {
             device: self.cfg.id.clone(),
             pairs: self.train.len() as u64,
             backend: format!("{:?}", self.cfg.compute).to_lowercase(),
             memory_mb: self.cfg.max_memory_mib.or_else(memory::available_mib).unwrap_or(0),
             instance: self.instance,
             connection: self.connection,
-        }))
+            tag: Vec::new(),
+        };
+        self.send(&Message::Hello(tagged(hello, &self.cfg.broker)))
     }
 
     /// Plans the round's micro-batch under `--max-memory`, before the model is downloaded.

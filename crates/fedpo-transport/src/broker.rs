@@ -5,7 +5,8 @@
 //! join the job under any id, or end it. With credentials (user name → password, as
 //! [`read_password_file`] reads them) every client must log in; rumqttd has no topic ACL,
 //! so a logged-in client can still publish on another device's topic, which a broker with
-//! ACLs (Mosquitto with `security/acl`) prevents.
+//! ACLs (Mosquitto with `security/acl`) prevents; the aggregator checks the tags devices
+//! put on their hellos and goodbyes instead (`fedpo_wire::device_tag`).
 
 use std::collections::HashMap;
 use std::net::{SocketAddr, TcpListener, TcpStream};

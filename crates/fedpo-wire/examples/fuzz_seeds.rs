@@ -68,6 +68,7 @@ fn main() -> std::io::Result<()> {
         memory_mb: 3000,
         instance: 7,
         connection: 1,
+        tag: Vec::new(),
     });
     let chunk_messages: Vec<Vec<u8>> = chunks.into_iter().map(|c| Message::Chunk(c).encode()).collect();
 

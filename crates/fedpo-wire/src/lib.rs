@@ -11,6 +11,7 @@ mod bundle;
 mod chunk;
 mod codec;
 mod decode;
+pub mod device_tag;
 mod digest;
 mod encoded;
 mod error;

@@ -38,6 +38,10 @@ pub struct DeviceHello {
     /// was offline a while, so whatever was published to it meanwhile may be lost.
     #[serde(default)]
     pub connection: u32,
+    /// HMAC of the rest under the device's broker password, where it has one (see
+    /// [`crate::device_tag`]); empty otherwise.
+    #[serde(default, with = "serde_bytes")]
+    pub tag: Vec<u8>,
 }
 
 /// A device leaving: sent on a clean exit, and registered as the MQTT last will so the
@@ -48,6 +52,13 @@ pub struct DeviceBye {
     pub device: String,
     /// Why, for the logs.
     pub reason: String,
+    /// The instance of the process leaving (as in [`DeviceHello::instance`]): a goodbye
+    /// of an earlier process does not take a later one offline. 0 from older devices.
+    #[serde(default)]
+    pub instance: u64,
+    /// HMAC of the rest under the device's broker password, as in [`DeviceHello::tag`].
+    #[serde(default, with = "serde_bytes")]
+    pub tag: Vec<u8>,
 }
 
 /// A selected device that cannot take part in a round (its training failed, for
@@ -70,12 +81,18 @@ impl DeviceBye {
 
     /// A goodbye whose reason fits the wire (see [`fit_reason`]).
     pub fn new(device: impl Into<String>, reason: &str) -> Self {
-        Self { device: device.into(), reason: fit_reason(reason) }
+        Self { device: device.into(), reason: fit_reason(reason), instance: 0, tag: Vec::new() }
     }
 
     /// The goodbye a device registers as its last will.
     pub fn last_will(device: impl Into<String>) -> Self {
         Self::new(device, Self::CONNECTION_LOST)
+    }
+
+    /// The same goodbye from process `instance`.
+    pub fn from_instance(mut self, instance: u64) -> Self {
+        self.instance = instance;
+        self
     }
 
     /// Whether the device said this itself, rather than the broker on its behalf.
@@ -362,6 +379,17 @@ fn check_round(round: u64) -> Result<()> {
     }
 }
 
+fn check_tag_len(tag: &[u8]) -> Result<()> {
+    if matches!(tag.len(), 0 | crate::device_tag::TAG_BYTES) {
+        Ok(())
+    } else {
+        Err(WireError::InvalidField {
+            field: "tag",
+            reason: format!("{} bytes; a tag has {}", tag.len(), crate::device_tag::TAG_BYTES),
+        })
+    }
+}
+
 fn check_signature_len(signature: &[u8]) -> Result<()> {
     if matches!(signature.len(), 0 | 64) {
         Ok(())
@@ -494,7 +522,8 @@ impl Message {
         match self {
             Self::Hello(h) => {
                 check_name("device", &h.device, limits)?;
-                check_name("backend", &h.backend, limits)
+                check_name("backend", &h.backend, limits)?;
+                check_tag_len(&h.tag)
             }
             Self::Plan(p) => {
                 check_round(p.round)?;
@@ -541,7 +570,8 @@ impl Message {
             }
             Self::Bye(b) => {
                 check_name("device", &b.device, limits)?;
-                check_name("reason", &b.reason, limits)
+                check_name("reason", &b.reason, limits)?;
+                check_tag_len(&b.tag)
             }
             Self::Declined(d) => {
                 check_name("device", &d.device, limits)?;

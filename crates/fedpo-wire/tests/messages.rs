@@ -47,7 +47,8 @@ fn arb_message() -> impl Strategy<Value = Message> {
                 backend,
                 memory_mb,
                 instance,
-                connection
+                connection,
+                tag: Vec::new(),
             })
         ),
         (
@@ -135,7 +136,12 @@ fn arb_message() -> impl Strategy<Value = Message> {
                     signature: Vec::new(),
                 })
             }),
-        (name(), "[ -~]{0,80}").prop_map(|(device, reason)| Message::Bye(DeviceBye { device, reason })),
+        (name(), "[ -~]{0,80}").prop_map(|(device, reason)| Message::Bye(DeviceBye {
+            device,
+            reason,
+            instance: 7,
+            tag: Vec::new()
+        })),
         arb_secagg_message().prop_map(Message::SecAgg),
         (name(), any::<u64>(), "[ -~]{0,80}").prop_map(|(device, round, reason)| Message::Declined(RoundDeclined {
             device,
@@ -242,6 +248,7 @@ fn unknown_protocol_version_is_refused_naming_both_versions() {
         memory_mb: 1,
         instance: 1,
         connection: 1,
+        tag: Vec::new(),
     });
     let bytes = serde_cbor::to_vec(&Future { version: 9, message: hello }).unwrap();
     let err = Message::decode(&bytes, &Limits::default()).unwrap_err();
@@ -354,6 +361,7 @@ fn decoding_in_place_refuses_and_accepts_what_decoding_does() {
         memory_mb: 512,
         instance: 1,
         connection: 1,
+        tag: Vec::new(),
     });
     let chunk =
         Message::Chunk(TransferChunk { transfer: "r1/global".into(), index: 0, count: 1, bytes: vec![9; 10].into() });
@@ -386,7 +394,8 @@ fn a_goodbye_or_decline_with_a_long_reason_is_cut_to_what_receivers_accept() {
     let limits = Limits::default();
     // Multi-byte characters straddle the cut: it must fall on a character boundary.
     let long = format!("--max-memory 1000 MiB cannot hold this training: {}", "é".repeat(400));
-    let raw = Message::Bye(DeviceBye { device: "pi-4".into(), reason: long.clone() }).encode();
+    let raw =
+        Message::Bye(DeviceBye { device: "pi-4".into(), reason: long.clone(), instance: 0, tag: Vec::new() }).encode();
     assert!(Message::decode(&raw, &limits).is_err(), "an uncut reason is refused by the receiver");
     for msg in [Message::Bye(DeviceBye::new("pi-4", &long)), Message::Declined(RoundDeclined::new("pi-4", 3, &long))] {
         let reason = match Message::decode(&msg.encode(), &limits).expect("decodes") {

@@ -29,6 +29,8 @@ pub struct FakeDevice {
     topics: Topics,
     id: String,
     instance: u64,
+    /// Its broker password, which tags its hellos.
+    password: Option<String>,
 }
 
 impl FakeDevice {
@@ -37,11 +39,15 @@ impl FakeDevice {
     pub fn join(url: &BrokerUrl, job: &str, id: &str) -> Self {
         let topics = Topics::new(job).unwrap();
         let mut opts = LinkOptions::new(format!("fake-{id}"));
-        let will = Message::Bye(DeviceBye::last_will(id));
-        opts.last_will = Some((topics.up(id), will.encode()));
+        let instance = rand::random::<u64>().max(1);
+        let mut will = DeviceBye::last_will(id).from_instance(instance);
+        if let Some(password) = &url.password {
+            fedpo_wire::device_tag::tag(&mut will, password);
+        }
+        opts.last_will = Some((topics.up(id), Message::Bye(will).encode()));
         let link = MqttLink::connect(url, &opts).unwrap();
         link.subscribe(&topics.down()).unwrap();
-        Self { link, topics, id: id.into(), instance: rand::random::<u64>().max(1) }
+        Self { link, topics, id: id.into(), instance, password: url.password.clone() }
     }
 
     /// Joins every id at once and waits for the plan that selects each: they say hello
@@ -65,14 +71,19 @@ impl FakeDevice {
     /// The next plan that selects this device, saying hello every 2 s meanwhile (the
     /// aggregator may not be listening yet), as a real device does.
     pub fn plan(&self) -> RoundPlan {
-        let hello = Message::Hello(DeviceHello {
+        let mut hello = DeviceHello {
             device: self.id.clone(),
             pairs: 4,
             backend: "cpu".into(),
             memory_mb: 0,
             instance: self.instance,
             connection: 1,
-        });
+            tag: Vec::new(),
+        };
+        if let Some(password) = &self.password {
+            fedpo_wire::device_tag::tag(&mut hello, password);
+        }
+        let hello = Message::Hello(hello);
         let deadline = Instant::now() + Duration::from_secs(120);
         let mut last_hello: Option<Instant> = None;
         while Instant::now() < deadline {
@@ -183,7 +194,7 @@ impl FakeDevice {
                 }
             }
         }
-        let bye = Message::Bye(DeviceBye { device: self.id.clone(), reason: "gone after sharing".into() });
+        let bye = Message::Bye(DeviceBye::new(self.id.clone(), "gone after sharing"));
         self.link.publish(&self.topics.up(&self.id), bye.encode()).unwrap();
         assert!(self.flush());
     }
