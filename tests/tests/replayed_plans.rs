@@ -8,7 +8,6 @@
 mod common;
 
 use std::path::Path;
-use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -22,13 +21,6 @@ use fedpo_transport::{BrokerUrl, Delivery, EmbeddedBroker, LinkOptions, MqttLink
 use fedpo_wire::{Limits, Message, RoundResult, TrustedKey};
 
 const JOB: &str = "replayed";
-
-fn signing_key(dir: &Path) -> (std::path::PathBuf, String) {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../security/make-certs.sh");
-    let made = Command::new("bash").arg(script).arg(dir).output().expect("make-certs.sh runs");
-    assert!(made.status.success(), "make-certs.sh: {}", String::from_utf8_lossy(&made.stderr));
-    (dir.join("signing.key"), std::fs::read_to_string(dir.join("signing.pub")).unwrap().trim().to_string())
-}
 
 fn serve(url: &BrokerUrl, out: &Path, key: &Path, extra: &[&str]) -> JoinHandle<Result<(), impl std::fmt::Debug>> {
     let mut extra: Vec<&str> = extra.to_vec();
@@ -67,7 +59,7 @@ fn checkpoint_run(out: &Path) -> u64 {
 #[test]
 fn plans_and_results_replayed_from_an_earlier_run_or_forged_unsigned_are_refused_by_pinned_devices() {
     let dir = fedpo_tests::TestDir::new();
-    let (key, public) = signing_key(&dir.path().join("keys"));
+    let (key, public) = common::signing_key(&dir.path().join("keys"));
     let broker = EmbeddedBroker::start_on_free_port().unwrap();
     let url = broker.url();
     let down = Topics::new(JOB).unwrap().down();

@@ -4,8 +4,6 @@
 
 mod common;
 
-use std::path::Path;
-use std::process::Command;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
@@ -15,19 +13,11 @@ use fedpo_device::participant::{self, ParticipantConfig};
 use fedpo_transport::EmbeddedBroker;
 use fedpo_wire::TrustedKey;
 
-/// security/make-certs.sh's signing key pair in `dir`: (private key file, public hex).
-fn signing_key(dir: &Path) -> (std::path::PathBuf, String) {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../security/make-certs.sh");
-    let made = Command::new("bash").arg(script).arg(dir).output().expect("make-certs.sh runs");
-    assert!(made.status.success(), "make-certs.sh: {}", String::from_utf8_lossy(&made.stderr));
-    (dir.join("signing.key"), std::fs::read_to_string(dir.join("signing.pub")).unwrap().trim().to_string())
-}
-
 #[test]
 fn devices_train_only_on_plans_signed_by_the_key_they_pin() {
     let dir = fedpo_tests::TestDir::new();
-    let (key, public) = signing_key(&dir.path().join("aggregator-keys"));
-    let (_, stranger) = signing_key(&dir.path().join("other-keys"));
+    let (key, public) = common::signing_key(&dir.path().join("aggregator-keys"));
+    let (_, stranger) = common::signing_key(&dir.path().join("other-keys"));
     assert_ne!(public, stranger);
 
     let broker = EmbeddedBroker::start_on_free_port().unwrap();

@@ -233,6 +233,14 @@ pub fn gap_from_weighted_mean(
     worst
 }
 
+/// security/make-certs.sh's signing key pair in `dir`: (private key file, public hex).
+pub fn signing_key(dir: &std::path::Path) -> (PathBuf, String) {
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../security/make-certs.sh");
+    let made = std::process::Command::new("bash").arg(script).arg(dir).output().expect("make-certs.sh runs");
+    assert!(made.status.success(), "make-certs.sh: {}", String::from_utf8_lossy(&made.stderr));
+    (dir.join("signing.key"), std::fs::read_to_string(dir.join("signing.pub")).unwrap().trim().to_string())
+}
+
 /// Debian's `mosquitto` (`scripts/test.sh` installs it).
 pub fn mosquitto_binary() -> PathBuf {
     let candidates = std::env::var_os("PATH")
