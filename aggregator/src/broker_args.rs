@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Result};
 use clap::Args;
-use fedpo_transport::{read_password_file, BrokerUrl, EmbeddedBroker, TlsFiles};
+use fedpo_transport::{read_password_file, BrokerConfig, BrokerUrl, EmbeddedBroker, TlsFiles};
 
 /// Broker flags.
 #[derive(Debug, Args, Clone)]
@@ -13,8 +13,8 @@ pub(crate) struct BrokerArgs {
     /// An MQTT 3.1.1/5 broker: mqtt://[user[:password]@]host[:port] or mqtts://...
     #[arg(long, conflicts_with = "embedded_broker")]
     pub(crate) broker: Option<String>,
-    /// Start rumqttd in-process on this address (e.g. 127.0.0.1:1883). Without
-    /// --broker-passwords it listens on loopback only.
+    /// Start fedpo's MQTT broker in-process on this address (e.g. 127.0.0.1:1883).
+    /// Without --broker-passwords it listens on loopback only.
     #[arg(long)]
     pub(crate) embedded_broker: Option<SocketAddr>,
     /// The embedded broker's logins: one `user:password` per line, a device's user name
@@ -57,7 +57,12 @@ impl BrokerArgs {
                     users.insert(login.0.clone(), login.1.clone());
                     login
                 });
-                let b = EmbeddedBroker::start_with(addr, credentials).map_err(|e| match self.broker_passwords {
+                let config = BrokerConfig {
+                    logins: credentials,
+                    admin: own.as_ref().map(|(user, _)| user.clone()),
+                    ..BrokerConfig::default()
+                };
+                let b = EmbeddedBroker::start_with(addr, config).map_err(|e| match self.broker_passwords {
                     None if !addr.ip().is_loopback() => anyhow::anyhow!(
                         "{e}: pass --broker-passwords FILE (lines `device:password`), or --embedded-broker 127.0.0.1:{}",
                         addr.port()

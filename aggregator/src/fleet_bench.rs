@@ -1,7 +1,7 @@
 //! `fedpo-aggregator bench-fleet`: aggregation at fleet scale.
 //!
 //! A real `fedpo-aggregator serve` runs as a child process, so its peak memory is its own,
-//! against an embedded rumqttd (in this process) or any broker URL (a local Mosquitto).
+//! against fedpo's embedded broker (in this process) or any broker URL (a local Mosquitto).
 //! This process plays N devices, each its own MQTT connection with its own hello, last
 //! will and upload topic. They send a synthetic update (the same small delta, encoded
 //! with the round's codec) instead of training, so the rounds measure the broker and the
@@ -45,7 +45,7 @@ pub(crate) struct FleetBenchArgs {
     #[arg(long, default_value_t = 3)]
     rounds: u64,
     /// A broker to go through (e.g. mqtt://127.0.0.1:1883 for a local Mosquitto); by
-    /// default rumqttd is started in this process.
+    /// embedded broker is started in this process.
     #[arg(long)]
     broker: Option<String>,
     /// The codec the synthetic updates use.
@@ -99,7 +99,7 @@ pub(crate) fn run(args: FleetBenchArgs) -> Result<()> {
             (b.url(), Some(b))
         }
     };
-    let broker_name = if args.broker.is_some() { url.to_string() } else { "embedded rumqttd".to_string() };
+    let broker_name = if args.broker.is_some() { url.to_string() } else { "embedded broker".to_string() };
     let topics = Topics::new(JOB).map_err(anyhow::Error::msg)?;
     let coordinator = MqttLink::connect(&url, &LinkOptions::new("bench-coordinator"))?;
     coordinator.subscribe(&topics.down())?;
@@ -170,8 +170,8 @@ fn spawn_aggregator(args: &FleetBenchArgs, url: &BrokerUrl, out: &Path) -> Resul
         .args(["--per-round", &n, "--min-devices", &n, "--rounds", &args.rounds.to_string()])
         .args(["--local-steps", "1", "--no-final-eval", "--update-codec", &args.update_codec.to_string()])
         .args(["--round-deadline", &args.deadline.to_string(), "--register-timeout", &args.deadline.to_string()])
-        // rumqttd and a client that pauses its reads can deadlock (see serve's
-        // --inbound-budget-mib); the embedded run goes without the budget.
+        // The embedded broker bounds its queues itself, and disconnects a client that
+        // pauses its reads for long; the embedded run goes without the budget.
         .args(["--inbound-budget-mib", if args.broker.is_some() { "64" } else { "0" }])
         .arg("--out")
         .arg(out)

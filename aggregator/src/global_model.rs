@@ -113,6 +113,15 @@ impl GlobalModel {
         EncodedPayload::compress(&self.tensors, UpdateCodec::F32, DEFAULT_CHUNK_BYTES)
     }
 
+    /// The most bytes the model takes on the wire, where [`GlobalModel::encode`] puts it:
+    /// every tensor in f32 with room for its name, shape and framing. The largest
+    /// transfer of a job, which sizes the embedded broker's queues.
+    pub(crate) fn wire_bytes_bound(&self) -> u64 {
+        self.tensors.iter().fold(1024, |total, t| {
+            total + 4 * t.values.len() as u64 + 128 + t.name.len() as u64 + 9 * t.shape.len() as u64
+        })
+    }
+
     /// Digest (hex) of the wire payload: what devices verify.
     pub(crate) fn digest_hex(&self) -> String {
         hex::encode(self.encode().digest())

@@ -78,9 +78,9 @@ struct ServeArgs {
     resume: bool,
     /// MiB of received messages that may wait to be processed before the aggregator stops
     /// reading from the broker, which then holds the rest (Mosquitto: raise
-    /// max_queued_messages to a round's chunks). 0: no limit. The embedded broker always
-    /// runs without one: rumqttd stops reading from a client it cannot write to, and a
-    /// client that pauses its reads deadlocks with it.
+    /// max_queued_messages to a round's chunks). 0: no limit. Not used with the embedded
+    /// broker, whose queues are bounded already and which disconnects a client that
+    /// stops reading for long.
     #[arg(long, value_name = "MIB", default_value_t = 64)]
     inbound_budget_mib: usize,
 }
@@ -95,6 +95,9 @@ fn serve(args: ServeArgs) -> Result<()> {
     let link = MqttLink::connect(&url, &opts)?;
     tracing::info!(broker = %url, job = %args.job.job, "aggregator connected");
     let mut server = server::Server::new(link, args.job, &args.out, args.resume)?;
+    if let Some(broker) = &embedded {
+        broker.fit_transfer(usize::try_from(server.global().wire_bytes_bound()).unwrap_or(usize::MAX));
+    }
     if let Some(logins) = args.broker.broker_logins()? {
         server.authenticate_devices(logins);
     }

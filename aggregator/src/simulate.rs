@@ -223,13 +223,16 @@ pub(crate) fn run(args: SimulateArgs) -> Result<Summary> {
     job.quorum = job.quorum.min(job.per_round);
     job.validate()?;
     crate::server::check_out_dir(&args.out, args.resume)?;
-    let (url, _broker) = args.broker.resolve(true)?;
+    let (url, broker) = args.broker.resolve(true)?;
     let tls = args.broker.tls();
     std::fs::create_dir_all(&args.out)?;
     let mut opts = LinkOptions::new(format!("fedpo-{}-aggregator", job.job));
     opts.tls = tls.clone();
     let link = MqttLink::connect(&url, &opts)?;
     let mut server = Server::new(link, job.clone(), &args.out, args.resume)?;
+    if let Some(broker) = &broker {
+        broker.fit_transfer(usize::try_from(server.global().wire_bytes_bound()).unwrap_or(usize::MAX));
+    }
     server.close_fleet(if job.method == Method::Centralized { 1 } else { args.devices });
     println!(
         "simulating {} devices ({} per round) for {} rounds of {} on {} via {url}",

@@ -2,9 +2,8 @@
 //! `fedpo-aggregator` read the same on a terminal, in a file and in the journal.
 //!
 //! - Logs go to stderr; stdout stays for what a command produces (tables, JSON).
-//! - `RUST_LOG` replaces the command's default level, as usual for `tracing`. The embedded
-//!   broker (rumqttd) stays silent unless `RUST_LOG` names it: it reports every client
-//!   that hangs up, a normal event in a fleet, as an error.
+//! - `RUST_LOG` replaces the command's default level, as usual for `tracing`. rumqttc's
+//!   routine chatter stays at warnings unless `RUST_LOG` names it.
 //! - Colour only on a terminal, and never with `NO_COLOR` set (<https://no-color.org>):
 //!   a redirected log or the journal gets plain text.
 //! - A failure prints its chain of causes on one line, without a backtrace: a user's bad
@@ -29,12 +28,12 @@ pub fn init(default: &str) {
         .try_init();
 }
 
-/// The filter directives: the user's `RUST_LOG` or the default, with the MQTT crates'
-/// routine chatter turned down unless the user named them.
+/// The filter directives: the user's `RUST_LOG` or the default, with the MQTT client's
+/// routine chatter turned down unless the user named it.
 fn directives(rust_log: Option<&str>, default: &str) -> String {
     let base = rust_log.unwrap_or(default);
     let mut out = base.to_string();
-    for (target, level) in [("rumqttd", "off"), ("rumqttc", "warn")] {
+    for (target, level) in [("rumqttc", "warn")] {
         if !base.contains(target) {
             out.push_str(&format!(",{target}={level}"));
         }
@@ -64,11 +63,10 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_embedded_broker_is_silent_unless_rust_log_names_it() {
-        assert_eq!(directives(None, "warn"), "warn,rumqttd=off,rumqttc=warn");
-        assert_eq!(directives(Some("warn"), "info"), "warn,rumqttd=off,rumqttc=warn");
-        assert_eq!(directives(Some("debug,rumqttd=info"), "info"), "debug,rumqttd=info,rumqttc=warn");
-        assert_eq!(directives(Some("rumqttc=trace"), "info"), "rumqttc=trace,rumqttd=off");
+    fn the_mqtt_client_logs_warnings_only_unless_rust_log_names_it() {
+        assert_eq!(directives(None, "info"), "info,rumqttc=warn");
+        assert_eq!(directives(Some("debug"), "info"), "debug,rumqttc=warn");
+        assert_eq!(directives(Some("rumqttc=trace"), "info"), "rumqttc=trace");
     }
 
     #[test]

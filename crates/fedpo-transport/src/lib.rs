@@ -5,7 +5,8 @@
 //! - [`MqttLink`] is one QoS 1 connection that survives broker restarts: it reconnects
 //!   with backoff, resubscribes after every ConnAck and republishes whatever the broker had
 //!   not acknowledged, from its own [`Outbox`].
-//! - [`EmbeddedBroker`] runs rumqttd in-process with limits sized for fedpo's chunks.
+//! - [`EmbeddedBroker`] is fedpo's own in-process MQTT 3.1.1 broker: memory bounded by
+//!   limits rather than traffic, logins, and the access rules of `security/acl`.
 //! - [`WarnThrottle`] rate-limits warnings about what peers send.
 //!
 //! Everything here moves opaque bytes; fedpo-wire gives them meaning.
@@ -18,7 +19,7 @@ mod throttle;
 mod topics;
 mod url;
 
-pub use broker::{read_password_file, EmbeddedBroker};
+pub use broker::{read_password_file, BrokerConfig, BrokerLimits, EmbeddedBroker};
 pub use error::{Result, TransportError};
 pub use link::{Delivery, LinkEvent, LinkOptions, MqttLink, UP_SUFFIX};
 pub use outbox::Outbox;
