@@ -499,6 +499,12 @@ impl Participant {
     fn round(&mut self, plan: &RoundPlan, bytes: BundleBytes) -> Result<(), ParticipantError> {
         let span = tracing::info_span!("round", round = plan.round);
         let _enter = span.enter();
+        let mut progress = self.state.progress()?;
+        if progress.reference_model.is_none() {
+            // This model becomes the reference: keep it, to rebuild the reference
+            // log-probs from should their cache ever be damaged.
+            self.state.keep_reference_model(&bytes.main)?;
+        }
         let decoding = Instant::now();
         // In place: the tensors are slices of the received bytes, freed once the model is built.
         let global = TensorPayload::from_shared(bytes.main, &self.limits, true)?;
@@ -509,7 +515,6 @@ impl Participant {
             .collect::<Result<_, ParticipantError>>()?;
         tracing::debug!(seconds = format_args!("{:.3}", decoding.elapsed().as_secs_f64()), "model decoded");
         let model_digest = hex::encode(&plan.global_model.digest);
-        let mut progress = self.state.progress()?;
         let mut outcome = train_round(
             RoundInputs {
                 plan,
@@ -524,6 +529,7 @@ impl Participant {
                 micro_batch_pairs: self.micro_batch_pairs,
                 start_on_disk: self.start_on_disk,
                 compute_dtype: self.cfg.compute_dtype,
+                limits: &self.limits,
             },
             &self.state,
             &mut progress,

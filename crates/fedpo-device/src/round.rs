@@ -12,12 +12,12 @@ use fedpo_train::{
     evaluate, load_or_score_pairs, score_pairs, DpoSettings, LocalTrainer, LossKind, OptimConfig, OptimKind,
     PreferenceSet,
 };
-use fedpo_wire::{keys, RoundPlan, TensorPayload, UpdateMetrics};
+use fedpo_wire::{keys, Limits, RoundPlan, TensorPayload, UpdateMetrics};
 
 use crate::local_terms::{save_control, shared_anchor, terms_for};
 use crate::memory::peak_rss_mib;
 use crate::participant::ParticipantError;
-use crate::state_dir::{Progress, StateDir};
+use crate::state_dir::{Progress, StateDir, REFERENCE_MODEL};
 
 /// The scratch file of a round whose starting model waits on disk.
 const START_FILE: &str = "round-start.f32";
@@ -58,6 +58,42 @@ pub(crate) struct RoundInputs<'a> {
     pub(crate) start_on_disk: bool,
     /// Dtype of matmuls and activations.
     pub(crate) compute_dtype: DType,
+    /// What a kept reference model may take when it is decoded again.
+    pub(crate) limits: &'a Limits,
+}
+
+/// The reference policy rebuilt from the kept reference model: that model with a
+/// fresh, zero-effect private adapter (or its own adapter weights, without a private
+/// one), as when the reference was first computed.
+fn reference_policy(
+    spec: &PolicySpec,
+    digest: &str,
+    private_adapter: bool,
+    build: &PolicyBuild<'_>,
+    state: &StateDir,
+) -> Result<Policy, ParticipantError> {
+    let Some(bytes) = state.kept_reference_model(digest)? else {
+        return Err(ParticipantError::State(format!(
+            "the reference log-probs are missing or stale, this round's model is not the reference model {digest}, \
+             and {} does not hold it; they cannot be rebuilt",
+            state.path(REFERENCE_MODEL).display()
+        )));
+    };
+    let payload = TensorPayload::from_shared(bytes, build.limits, true)?;
+    let model = TensorSource::from_wire(&payload.tensors, "the kept reference model", build.compute)?;
+    drop(payload);
+    let adapter = if private_adapter { None } else { Some(&model) };
+    let mut policy = Policy::build(spec.clone(), Some(&model), adapter, build.seed, DType::F32, build.compute)?;
+    policy.set_compute_dtype(build.compute_dtype)?;
+    Ok(policy)
+}
+
+/// How a round builds its policies.
+struct PolicyBuild<'a> {
+    compute: &'a Device,
+    seed: u64,
+    compute_dtype: DType,
+    limits: &'a Limits,
 }
 
 /// Trains one round. Saves the private adapter before returning, so an update is never
@@ -89,7 +125,7 @@ pub(crate) fn train_round(
         (None, true) => None, // a fresh adapter, seeded by the device id
         (None, false) => Some(&global),
     };
-    let mut policy = Policy::build(spec, Some(&global), adapter_source, input.seed, DType::F32, input.compute)?;
+    let mut policy = Policy::build(spec.clone(), Some(&global), adapter_source, input.seed, DType::F32, input.compute)?;
     policy.set_compute_dtype(input.compute_dtype)?;
 
     let batch_pairs = plan.hyper.batch_pairs.max(1) as usize;
@@ -104,18 +140,29 @@ pub(crate) fn train_round(
     // zero-effect adapter): fixed for the device's whole life, cached in the state dir.
     let reference_model = progress.reference_model.clone().unwrap_or_else(|| input.global_digest.to_string());
     // Only the reference model itself may fill a missing cache: this round's model with a
-    // fresh adapter, when it is the model the reference was taken from.
+    // fresh adapter, when it is the model the reference was taken from, or else the kept
+    // copy of that model.
     let policy_is_reference = reference_model == input.global_digest && saved.is_none();
+    let kept = std::cell::RefCell::new(None);
+    let build = PolicyBuild {
+        compute: input.compute,
+        seed: input.seed,
+        compute_dtype: input.compute_dtype,
+        limits: input.limits,
+    };
     let score = |pairs: &[TokenizedPair], file: &str| {
         load_or_score_pairs(&state.path(file), &reference_model, &fingerprint(pairs), || {
-            if !policy_is_reference {
-                return Err(fedpo_train::TrainError::Invalid(format!(
-                    "{}: the reference log-probs are missing or stale, and this round's model is not the reference \
-                     model {reference_model}; they cannot be rebuilt",
-                    state.path(file).display()
-                )));
+            if policy_is_reference {
+                return score_pairs(&policy, pairs, settings.micro_batch_pairs, settings.pad_id);
             }
-            score_pairs(&policy, pairs, settings.micro_batch_pairs, settings.pad_id)
+            let mut kept = kept.borrow_mut();
+            if kept.is_none() {
+                let rebuilt = reference_policy(&spec, &reference_model, private_adapter, &build, state)
+                    .map_err(|e| fedpo_train::TrainError::Invalid(format!("{}: {e}", state.path(file).display())))?;
+                *kept = Some(rebuilt);
+            }
+            tracing::warn!(file, "rebuilding reference log-probs from the kept reference model");
+            score_pairs(kept.as_ref().expect("just built"), pairs, settings.micro_batch_pairs, settings.pad_id)
         })
         .map(|(logps, _)| logps)
     };

@@ -2,6 +2,9 @@
 //!
 //! - `adapter.safetensors`: the private LoRA adapter (pFedDPO);
 //! - `ref_train.json`, `ref_heldout.json`: reference log-probs, computed once;
+//! - `reference-model.bin`: the model they were computed with (the first global model
+//!   the device trained from, as received), so a damaged cache is rebuilt from the same
+//!   model rather than from a later one;
 //! - `progress.json`: the last round it trained, the run of the job it follows, whether
 //!   it has saved an adapter, and the model its reference came from;
 //! - `last_update.cbor`: the update it last sent, to send again if the aggregator
@@ -63,6 +66,9 @@ pub(crate) struct StateDir {
     root: PathBuf,
 }
 
+/// Where the reference model is kept.
+pub(crate) const REFERENCE_MODEL: &str = "reference-model.bin";
+
 fn io_err(path: &Path, e: impl std::fmt::Display) -> ParticipantError {
     ParticipantError::State(format!("{}: {e}", path.display()))
 }
@@ -118,19 +124,48 @@ impl StateDir {
         }
         if let Some(model) = &progress.reference_model {
             for (file, data) in references {
-                if let Err(why) = fedpo_train::check_cache(&self.path(file), model, data) {
-                    return Err(io_err(
-                        &self.path(file),
-                        format!(
-                            "{why}. The reference log-probs come from the first global model this device trained \
-                             from, which it no longer holds, so they cannot be rebuilt: restore the file (and the \
-                             data it was computed on), or start over with an empty --state-dir"
-                        ),
-                    ));
+                let path = self.path(file);
+                let Err(why) = fedpo_train::check_cache(&path, model, data) else { continue };
+                if self.kept_reference_model(model)?.is_some() {
+                    tracing::warn!(path = %path.display(), %why, "reference log-probs unusable; the round rebuilds them from the kept reference model");
+                    match std::fs::remove_file(&path) {
+                        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io_err(&path, e)),
+                        _ => continue,
+                    }
                 }
+                return Err(io_err(
+                    &path,
+                    format!(
+                        "{why}. The reference log-probs come from the first global model this device trained \
+                         from, and {REFERENCE_MODEL} does not hold it (missing, or another model), so they cannot \
+                         be rebuilt: restore the files (and the data they were computed on), or start over with an \
+                         empty --state-dir"
+                    ),
+                ));
             }
         }
         Ok(progress)
+    }
+
+    /// Keeps the model the reference log-probs are computed with: `bytes` as received,
+    /// so that their digest is the plan's.
+    pub(crate) fn keep_reference_model(&self, bytes: &[u8]) -> Result<(), ParticipantError> {
+        let path = self.path(REFERENCE_MODEL);
+        write_atomic(&path, bytes).map_err(|e| io_err(&path, e))
+    }
+
+    /// The kept reference model's bytes, when the file holds the model of `digest` (hex).
+    pub(crate) fn kept_reference_model(&self, digest: &str) -> Result<Option<fedpo_wire::Bytes>, ParticipantError> {
+        let path = self.path(REFERENCE_MODEL);
+        match std::fs::read(&path) {
+            Ok(b) if hex::encode(fedpo_wire::digest(&b)) == digest => Ok(Some(b.into())),
+            Ok(_) => {
+                tracing::warn!(path = %path.display(), reference = digest, "the kept reference model is another model");
+                Ok(None)
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(io_err(&path, e)),
+        }
     }
 
     pub(crate) fn progress(&self) -> Result<Progress, ParticipantError> {
