@@ -16,7 +16,7 @@ use rumqttc::mqttbytes::v4::{
     SubscribeReasonCode, UnsubAck, Unsubscribe,
 };
 use rumqttc::mqttbytes::{valid_filter, valid_topic, Error as CodecError, Protocol, QoS};
-use tokio::io::{AsyncReadExt, AsyncWriteExt, BufWriter};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, BufWriter};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
@@ -67,7 +67,7 @@ enum End {
 }
 
 /// Reads one packet, with room for no more than `max` bytes of it.
-async fn read_packet(reader: &mut OwnedReadHalf, buf: &mut BytesMut, max: usize) -> Result<Packet, String> {
+async fn read_packet(reader: &mut (impl AsyncRead + Unpin), buf: &mut BytesMut, max: usize) -> Result<Packet, String> {
     loop {
         match Packet::read(buf, max) {
             Ok(packet) => {
@@ -99,19 +99,10 @@ pub(super) async fn serve(shared: Arc<Shared>, mut stream: TcpStream) {
     let _ = stream.set_nodelay(true);
     let limits = shared.limits.clone();
     let mut buf = BytesMut::with_capacity(4 << 10);
-    let connect = {
-        let (mut reader, writer) = stream.into_split();
-        let first =
-            tokio::time::timeout(limits.connect_timeout, read_packet(&mut reader, &mut buf, limits.max_packet_bytes))
-                .await;
-        stream = match reader.reunite(writer) {
-            Ok(s) => s,
-            Err(_) => return,
-        };
-        match first {
-            Ok(Ok(Packet::Connect(c))) => c,
-            _ => return,
-        }
+    let first = read_packet(&mut stream, &mut buf, limits.max_packet_bytes);
+    let connect = match tokio::time::timeout(limits.connect_timeout, first).await {
+        Ok(Ok(Packet::Connect(c))) => c,
+        _ => return,
     };
     let Some(session) = handshake(&shared, &mut stream, connect).await else { return };
     let (reader, writer) = stream.into_split();
