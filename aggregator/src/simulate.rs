@@ -14,7 +14,9 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use candle_core::Device;
 use clap::Args;
+use fedpo_data::partition::{train_heldout_split, Partition};
 use fedpo_data::synthetic::{generate_device, SyntheticSpec};
+use fedpo_data::{load_jsonl_keyed, to_jsonl, DataFormat, PreferencePair};
 use fedpo_device::adversary::Adversary;
 use fedpo_device::participant::{self, ParticipantConfig};
 use fedpo_transport::{BrokerUrl, LinkOptions, MqttLink, TlsFiles};
@@ -41,13 +43,30 @@ pub(crate) struct SimulateArgs {
     /// Run each device as a child `fedpo-device run` process instead of a thread.
     #[arg(long)]
     pub(crate) processes: bool,
+    /// Pairs to deal to the devices instead of synthetic personas: JSONL in any layout
+    /// `train-local` reads (TRL, HH-RLHF, SHP).
+    #[arg(long, value_name = "FILE")]
+    pub(crate) data: Option<PathBuf>,
+    /// Force --data's layout instead of detecting it per line.
+    #[arg(long, requires = "data")]
+    pub(crate) format: Option<DataFormat>,
+    /// Skip --data lines that cannot be read, instead of stopping at the first.
+    #[arg(long, requires = "data")]
+    pub(crate) skip_bad: bool,
+    /// How --data is dealt to the devices: iid, dirichlet:ALPHA[:FIELD] (skewed over a
+    /// record field, SHP's `domain` by default) or by-key:FIELD (whole groups per device).
+    #[arg(long, default_value = "iid", requires = "data")]
+    pub(crate) partition: Partition,
+    /// The share of each device's --data pairs kept for held-out evaluation.
+    #[arg(long, default_value_t = 0.2, requires = "data")]
+    pub(crate) heldout_fraction: f64,
     /// How much the personas' preferences conflict, 0 (all agree) to 1.
     #[arg(long, default_value_t = 1.0)]
     pub(crate) heterogeneity: f64,
-    /// Training pairs per device.
+    /// Training pairs per device (synthetic personas).
     #[arg(long, default_value_t = 120)]
     pub(crate) train_pairs: usize,
-    /// Held-out pairs per device.
+    /// Held-out pairs per device (synthetic personas).
     #[arg(long, default_value_t = 40)]
     pub(crate) heldout_pairs: usize,
     /// Tokens per sequence after truncation.
@@ -116,6 +135,47 @@ impl SimulateArgs {
         }
     }
 
+    /// Each device's (id, train, held-out) pairs: dealt from --data, or its synthetic
+    /// persona's.
+    fn shards(&self) -> Result<Vec<(String, Vec<PreferencePair>, Vec<PreferencePair>)>> {
+        let Some(path) = &self.data else {
+            let spec = self.spec();
+            return (0..self.devices)
+                .map(|k| {
+                    let data = generate_device(&spec, k)?;
+                    Ok((device_id(k), data.train, data.heldout))
+                })
+                .collect();
+        };
+        let loaded = load_jsonl_keyed(path, self.format, self.skip_bad, self.partition.key())?;
+        if loaded.skipped > 0 {
+            tracing::warn!(file = %path.display(), skipped = loaded.skipped, "skipped bad lines");
+        }
+        let total = loaded.pairs.len();
+        let shares = self
+            .partition
+            .split(loaded.pairs, loaded.keys, self.devices, self.job.seed)
+            .with_context(|| format!("dealing {} ({total} pairs) to {} devices", path.display(), self.devices))?;
+        let mut shards = Vec::with_capacity(shares.len());
+        for (k, share) in shares.into_iter().enumerate() {
+            let n = share.len();
+            let (train, heldout) = train_heldout_split(share, self.heldout_fraction, self.job.seed ^ k as u64)?;
+            if train.is_empty() {
+                bail!(
+                    "{}: --partition {} gives {} only {n} pair(s), none left to train on; use fewer devices or \
+                     another partition",
+                    path.display(),
+                    self.partition,
+                    device_id(k)
+                );
+            }
+            shards.push((device_id(k), train, heldout));
+        }
+        let sizes: Vec<String> = shards.iter().map(|(id, t, h)| format!("{id} {}+{}", t.len(), h.len())).collect();
+        println!("{total} pairs from {}, --partition {}: {}", path.display(), self.partition, sizes.join(", "));
+        Ok(shards)
+    }
+
     fn spawn_fleet(&self, url: &BrokerUrl, tls: &TlsFiles) -> Result<Fleet> {
         let devices_dir = self.out.join("devices");
         std::fs::create_dir_all(&devices_dir)?;
@@ -124,19 +184,30 @@ impl SimulateArgs {
             Some(path) => Some(Signer::from_pem_file(path)?.public_key_hex()),
             None => None,
         };
+        let mut shards = self.shards()?;
         if self.processes {
             let bin = device_binary()?;
             let mut children = Vec::with_capacity(self.devices);
-            for k in 0..self.devices {
-                let id = device_id(k);
+            for (k, (id, train, heldout)) in shards.iter().enumerate() {
                 let log = std::fs::File::create(devices_dir.join(format!("{id}.log")))?;
                 let mut cmd = Command::new(&bin);
-                cmd.args(["run", "--broker", &url.to_string(), "--job", &self.job.job, "--id", &id])
-                    .args(["--synthetic-persona", &k.to_string()])
-                    .args(["--heterogeneity", &self.heterogeneity.to_string()])
-                    .args(["--train-pairs", &self.train_pairs.to_string()])
-                    .args(["--heldout-pairs", &self.heldout_pairs.to_string()])
-                    .args(["--max-len", &self.max_len.to_string(), "--seed", &self.job.seed.to_string()])
+                cmd.args(["run", "--broker", &url.to_string(), "--job", &self.job.job, "--id", id]);
+                if self.data.is_some() {
+                    // The device reads its share from files of its own, as a real one would.
+                    let (train_file, heldout_file) = (
+                        devices_dir.join(format!("{id}.train.jsonl")),
+                        devices_dir.join(format!("{id}.heldout.jsonl")),
+                    );
+                    std::fs::write(&train_file, to_jsonl(train))?;
+                    std::fs::write(&heldout_file, to_jsonl(heldout))?;
+                    cmd.arg("--data").arg(&train_file).arg("--heldout").arg(&heldout_file);
+                } else {
+                    cmd.args(["--synthetic-persona", &k.to_string()])
+                        .args(["--heterogeneity", &self.heterogeneity.to_string()])
+                        .args(["--train-pairs", &self.train_pairs.to_string()])
+                        .args(["--heldout-pairs", &self.heldout_pairs.to_string()]);
+                }
+                cmd.args(["--max-len", &self.max_len.to_string(), "--seed", &self.job.seed.to_string()])
                     .arg("--state-dir")
                     .arg(devices_dir.join(&id))
                     .args(trusted_key.iter().flat_map(|k| ["--trust-key", k.as_str()]))
@@ -154,12 +225,6 @@ impl SimulateArgs {
             return Ok(Fleet::Processes(children));
         }
         let stop = Arc::new(AtomicBool::new(false));
-        let spec = self.spec();
-        let mut shards = Vec::with_capacity(self.devices);
-        for k in 0..self.devices {
-            let data = generate_device(&spec, k)?;
-            shards.push((device_id(k), data.train, data.heldout));
-        }
         if self.job.method == Method::Centralized {
             // One trainer holding every persona's pairs.
             let (train, heldout) = shards.drain(..).fold((Vec::new(), Vec::new()), |(mut t, mut h), (_, dt, dh)| {

@@ -53,6 +53,8 @@ impl fmt::Display for DataFormat {
 pub struct LoadedPairs {
     /// The usable pairs, in file order.
     pub pairs: Vec<PreferencePair>,
+    /// With [`load_jsonl_keyed`], each pair's value of the field asked for; else empty.
+    pub keys: Vec<Option<String>>,
     /// Lines skipped as bad (only with `skip_bad`).
     pub skipped: usize,
 }
@@ -150,8 +152,21 @@ pub fn parse_record(obj: &Map<String, Value>, format: DataFormat) -> std::result
 /// naming `file:line` and the reason, unless `skip_bad` is set: then it is counted in
 /// [`LoadedPairs::skipped`] and logged by the caller. Blank lines are ignored.
 pub fn load_jsonl(path: &Path, format: Option<DataFormat>, skip_bad: bool) -> Result<LoadedPairs> {
+    load_jsonl_keyed(path, format, skip_bad, None)
+}
+
+/// [`load_jsonl`], also reading each usable record's field `key` (a string, number or
+/// boolean, as text; `None` where absent or of another type) into
+/// [`LoadedPairs::keys`], for partitioning by it.
+pub fn load_jsonl_keyed(
+    path: &Path,
+    format: Option<DataFormat>,
+    skip_bad: bool,
+    key: Option<&str>,
+) -> Result<LoadedPairs> {
     let text = std::fs::read_to_string(path).map_err(|source| DataError::Io { path: path.to_path_buf(), source })?;
     let mut pairs = Vec::new();
+    let mut keys = Vec::new();
     let mut skipped = 0;
     for (i, line) in text.lines().enumerate() {
         if line.trim().is_empty() {
@@ -168,10 +183,20 @@ pub fn load_jsonl(path: &Path, format: Option<DataFormat>, skip_bad: bool) -> Re
                     Some(f) => f,
                     None => detect_format(&obj)?,
                 };
-                parse_record(&obj, f)
+                let field = key.and_then(|k| match obj.get(k)? {
+                    Value::String(v) => Some(v.clone()),
+                    v @ (Value::Number(_) | Value::Bool(_)) => Some(v.to_string()),
+                    _ => None,
+                });
+                Ok((parse_record(&obj, f)?, field))
             });
         match parsed {
-            Ok(pair) => pairs.push(pair),
+            Ok((pair, field)) => {
+                pairs.push(pair);
+                if key.is_some() {
+                    keys.push(field);
+                }
+            }
             Err(_) if skip_bad => skipped += 1,
             Err(reason) => return Err(DataError::BadLine { file: path.to_path_buf(), line: i + 1, reason }),
         }
@@ -179,7 +204,7 @@ pub fn load_jsonl(path: &Path, format: Option<DataFormat>, skip_bad: bool) -> Re
     if pairs.is_empty() {
         return Err(DataError::Empty { path: path.to_path_buf(), skipped });
     }
-    Ok(LoadedPairs { pairs, skipped })
+    Ok(LoadedPairs { pairs, keys, skipped })
 }
 
 /// Writes pairs as TRL-layout JSONL (the format `score` and `--data` read back).
@@ -210,6 +235,20 @@ mod tests {
         assert_eq!(p, "\n\nHuman: Hi\n\nAssistant: Hello!\n\nHuman: Tea?\n\nAssistant:");
         assert_eq!(c, " Boil water first.");
         assert_eq!(r, " No idea.");
+    }
+
+    #[test]
+    fn a_keyed_load_reads_the_named_field_of_each_usable_record_as_text() {
+        let f = write(&[
+            r#"{"prompt": "Q", "chosen": " a", "rejected": " b", "user": "ann"}"#,
+            r#"{"prompt": "Q", "chosen": " a", "rejected": " b", "user": 7}"#,
+            r#"{"broken": true}"#,
+            r#"{"prompt": "Q", "chosen": " a", "rejected": " b"}"#,
+        ]);
+        let loaded = load_jsonl_keyed(f.path(), None, true, Some("user")).unwrap();
+        assert_eq!(loaded.keys, [Some("ann".to_string()), Some("7".to_string()), None]);
+        assert_eq!((loaded.pairs.len(), loaded.skipped), (3, 1));
+        assert!(load_jsonl(f.path(), None, true).unwrap().keys.is_empty());
     }
 
     #[test]

@@ -11,6 +11,6 @@ pub mod synthetic;
 
 pub use batch::{collate, fingerprint, tokenize_pairs, PairBatch, TokenizedPair};
 pub use error::{DataError, Result};
-pub use formats::{load_jsonl, DataFormat, LoadedPairs};
+pub use formats::{load_jsonl, load_jsonl_keyed, to_jsonl, DataFormat, LoadedPairs};
 pub use pair::PreferencePair;
 pub use synthetic::{generate_device, DeviceData, Persona, SyntheticSpec};

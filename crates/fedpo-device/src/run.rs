@@ -41,6 +41,9 @@ pub(crate) struct RunArgs {
     /// Share of --data held out for the held-out accuracy.
     #[arg(long, default_value_t = 0.2)]
     heldout_fraction: f64,
+    /// Held-out pairs from this file instead of a share of --data, which then trains whole.
+    #[arg(long, value_name = "FILE", requires = "data")]
+    heldout: Option<PathBuf>,
     /// Use synthetic persona K instead of a file.
     #[arg(long)]
     synthetic_persona: Option<usize>,
@@ -127,7 +130,10 @@ pub(crate) fn run(args: RunArgs) -> Result<()> {
             if loaded.skipped > 0 {
                 tracing::warn!(file = %path.display(), skipped = loaded.skipped, "skipped bad lines");
             }
-            train_heldout_split(loaded.pairs, args.heldout_fraction, args.seed)?
+            match &args.heldout {
+                Some(h) => (loaded.pairs, load_jsonl(h, args.format, args.skip_bad)?.pairs),
+                None => train_heldout_split(loaded.pairs, args.heldout_fraction, args.seed)?,
+            }
         }
         (None, Some(k)) => {
             let spec = SyntheticSpec {
