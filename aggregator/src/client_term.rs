@@ -6,8 +6,11 @@
 //!   each device returns `Δc_i` as `scaffold.control_delta`, and after the round
 //!   `c ← c + (|S|/N)·mean_i Δc_i = c + Σ_i Δc_i / N`, N the registered devices.
 //! - FedGA: the reference `r` goes out as `fedga.reference`. After each round
-//!   `r ← β·r + (1 − β)·d`, with `d = −Δθ/‖Δθ‖` the unit global step turned to point like a
-//!   gradient (uphill), since the device compares it with its loss gradient.
+//!   `r ← β·r + (1 − β)·d`, with `d = −Δθ` the global step turned to point like a gradient
+//!   (uphill), since the device compares it with its loss gradient: the EMA of the global
+//!   update direction as FedGA defines it, where a round weighs by the size of its step.
+//!   `--fedga-reference unit-ema` takes the unit step `−Δθ/‖Δθ‖` instead, so that every
+//!   round weighs alike. Devices use only `r`'s direction (a cosine), not its length.
 //!
 //! `c` and `r` are part of the checkpointed state, so `--resume` continues them exactly.
 
@@ -56,6 +59,9 @@ pub(crate) struct FedgaSettings {
     pub(crate) displacement: bool,
     pub(crate) fd_step: f64,
     pub(crate) weights: BTreeMap<String, f64>,
+    /// The reference averages unit global steps rather than the steps themselves.
+    #[serde(default)]
+    pub(crate) unit_steps: bool,
 }
 
 /// A zero vector shaped like the shared set.
@@ -196,10 +202,11 @@ impl ClientTerm {
                 return; // no global step (quorum not met): r stays
             }
             let beta = self.fedga.beta;
+            let scale = if self.fedga.unit_steps { 1.0 / norm } else { 1.0 };
             let reference = self.reference.get_or_insert_with(|| zeros_like_shared(global));
             for (r, (_, _, d)) in reference.iter_mut().zip(&step) {
                 for (x, s) in r.values.iter_mut().zip(d) {
-                    *x = (beta * f64::from(*x) + (1.0 - beta) * s / norm) as f32;
+                    *x = (beta * f64::from(*x) + (1.0 - beta) * s * scale) as f32;
                 }
             }
         }
@@ -263,6 +270,7 @@ mod tests {
             displacement: false,
             fd_step: 1e-3,
             weights: BTreeMap::new(),
+            unit_steps: false,
         };
         let mut term = ClientTerm::new(kind, 0.0, fedga, &global);
         let mut device_controls: Vec<Option<HashMap<String, Tensor>>> = vec![None; 3];
@@ -313,8 +321,8 @@ mod tests {
         assert!(scaffold < 1e-4, "SCAFFOLD should reach the optimum, {scaffold} away");
     }
 
-    #[test]
-    fn fedga_reference_is_an_ema_of_unit_uphill_global_steps() {
+    /// The reference after global steps (3, 4) then (0, 10) from the origin.
+    fn fedga_reference_after_two_steps(unit_steps: bool) -> Vec<f32> {
         let spec =
             PolicySpec { config: Gpt2Config::tiny(), lora: None, partition: Partition::new(PartitionPreset::Feddpo) };
         let before = GlobalModel::new(spec.clone(), vec![vector(vec![0.0, 0.0])]);
@@ -325,6 +333,7 @@ mod tests {
             displacement: false,
             fd_step: 1e-3,
             weights: BTreeMap::new(),
+            unit_steps,
         };
         let mut term = ClientTerm::new(ClientTermKind::Fedga, 0.0, fedga, &before);
         assert!(term.plan_sections().is_empty(), "no reference before the first global step");
@@ -332,10 +341,26 @@ mod tests {
         term.after_round(Some(&before), &after, None, 1);
         let after2 = GlobalModel::new(spec, vec![vector(vec![3.0, 14.0])]);
         term.after_round(Some(&after), &after2, None, 1);
-        // r = 0.9·(0.1·(−0.6, −0.8)) + 0.1·(0, −1)
         let (_, r) = term.plan_sections().pop().unwrap();
-        let r = r.tensors[0].values();
-        assert!((f64::from(r[0]) + 0.054).abs() < 1e-6 && (f64::from(r[1]) + 0.172).abs() < 1e-6, "{r:?}");
+        r.tensors[0].values()
+    }
+
+    fn close(r: &[f32], expected: [f64; 2]) -> bool {
+        r.iter().zip(expected).all(|(a, b)| (f64::from(*a) - b).abs() < 1e-6)
+    }
+
+    #[test]
+    fn fedga_reference_is_an_ema_of_uphill_global_steps_weighted_by_their_size() {
+        // r = 0.9·(0.1·(−3, −4)) + 0.1·(0, −10): the longer second step counts for more.
+        let r = fedga_reference_after_two_steps(false);
+        assert!(close(&r, [-0.27, -1.36]), "{r:?}");
+    }
+
+    #[test]
+    fn fedga_unit_ema_reference_weighs_every_round_alike() {
+        // r = 0.9·(0.1·(−0.6, −0.8)) + 0.1·(0, −1)
+        let r = fedga_reference_after_two_steps(true);
+        assert!(close(&r, [-0.054, -0.172]), "{r:?}");
     }
 
     #[test]
@@ -351,6 +376,7 @@ mod tests {
             displacement: false,
             fd_step: 1e-3,
             weights: BTreeMap::new(),
+            unit_steps: false,
         };
         let mut saved = ClientTerm::new(ClientTermKind::Fedga, 0.0, fedga(0.1), &before);
         saved.after_round(Some(&before), &after, None, 1);

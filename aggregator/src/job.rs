@@ -87,6 +87,11 @@ pub(crate) struct JobArgs {
     /// FedGA's β: EMA decay of the reference direction.
     #[arg(long, default_value_t = 0.9)]
     pub(crate) fedga_beta: f64,
+    /// FedGA's reference: `ema` of the global update direction (each round weighs by the
+    /// size of its step, as FedGA defines it) or `unit-ema` of unit steps (every round
+    /// weighs alike).
+    #[arg(long, default_value = "ema", value_parser = ["ema", "unit-ema"])]
+    pub(crate) fedga_reference: String,
     /// FedGA's cosine over the whole shared model (`full`) or per layer (`layer`).
     #[arg(long, default_value = "full", value_parser = ["full", "layer"])]
     pub(crate) fedga_granularity: String,
@@ -330,6 +335,7 @@ impl JobArgs {
             displacement: self.fedga_mode == "displacement",
             fd_step: self.fedga_fd_step,
             weights: resolve_layer_weights(&self.fedga_layer_weights, global)?,
+            unit_steps: self.fedga_reference == "unit-ema",
         };
         Ok(ClientTerm::new(self.client_term, self.prox_mu, fedga, global))
     }
