@@ -15,7 +15,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::Device;
 use clap::Args;
 use fedpo_data::partition::{train_heldout_split, Partition};
-use fedpo_data::synthetic::{generate_device, SyntheticSpec};
+use fedpo_data::synthetic::{generate_pairs, Personas, SyntheticSpec};
 use fedpo_data::{load_jsonl_keyed, to_jsonl, DataFormat, PreferencePair};
 use fedpo_device::adversary::Adversary;
 use fedpo_device::participant::{self, ParticipantConfig};
@@ -60,6 +60,14 @@ pub(crate) struct SimulateArgs {
     /// The share of each device's --data pairs kept for held-out evaluation.
     #[arg(long, default_value_t = 0.2, requires = "data")]
     pub(crate) heldout_fraction: f64,
+    /// Synthetic personas: `opposed` (two, opposite on every style axis, labels without
+    /// noise: a demonstration) or `drawn` (one per device around a shared persona, labels
+    /// drawn by Bradley–Terry; each device's held-out ceiling goes to OUT/ceilings.json).
+    #[arg(long, default_value = "opposed")]
+    pub(crate) personas: Personas,
+    /// Temperature of drawn personas' labels: higher is noisier.
+    #[arg(long, default_value_t = 1.0)]
+    pub(crate) label_temperature: f64,
     /// How much the personas' preferences conflict, 0 (all agree) to 1.
     #[arg(long, default_value_t = 1.0)]
     pub(crate) heterogeneity: f64,
@@ -140,12 +148,19 @@ impl SimulateArgs {
     fn shards(&self) -> Result<Vec<(String, Vec<PreferencePair>, Vec<PreferencePair>)>> {
         let Some(path) = &self.data else {
             let spec = self.spec();
-            return (0..self.devices)
-                .map(|k| {
-                    let data = generate_device(&spec, k)?;
-                    Ok((device_id(k), data.train, data.heldout))
-                })
-                .collect();
+            let mut ceilings = serde_json::Map::new();
+            let mut shards = Vec::with_capacity(self.devices);
+            for k in 0..self.devices {
+                let (train, heldout, ceiling) = generate_pairs(&spec, self.personas, self.label_temperature, k)?;
+                ceilings.insert(device_id(k), ceiling.into());
+                shards.push((device_id(k), train, heldout));
+            }
+            if self.personas == Personas::Drawn {
+                let listed: Vec<String> = ceilings.iter().map(|(id, c)| format!("{id} {c:.3}")).collect();
+                println!("held-out Bayes ceilings (accuracy of each persona's true utility): {}", listed.join(", "));
+                std::fs::write(self.out.join("ceilings.json"), serde_json::to_vec_pretty(&ceilings)?)?;
+            }
+            return Ok(shards);
         };
         let loaded = load_jsonl_keyed(path, self.format, self.skip_bad, self.partition.key())?;
         if loaded.skipped > 0 {
@@ -203,6 +218,8 @@ impl SimulateArgs {
                     cmd.arg("--data").arg(&train_file).arg("--heldout").arg(&heldout_file);
                 } else {
                     cmd.args(["--synthetic-persona", &k.to_string()])
+                        .args(["--personas", &self.personas.to_string()])
+                        .args(["--label-temperature", &self.label_temperature.to_string()])
                         .args(["--heterogeneity", &self.heterogeneity.to_string()])
                         .args(["--train-pairs", &self.train_pairs.to_string()])
                         .args(["--heldout-pairs", &self.heldout_pairs.to_string()]);

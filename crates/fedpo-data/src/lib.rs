@@ -13,4 +13,7 @@ pub use batch::{collate, fingerprint, tokenize_pairs, PairBatch, TokenizedPair};
 pub use error::{DataError, Result};
 pub use formats::{load_jsonl, load_jsonl_keyed, to_jsonl, DataFormat, LoadedPairs};
 pub use pair::PreferencePair;
-pub use synthetic::{generate_device, DeviceData, Persona, SyntheticSpec};
+pub use synthetic::{
+    generate_device, generate_drawn_device, generate_pairs, DeviceData, DrawnDeviceData, DrawnPersona, Persona,
+    Personas, SyntheticSpec,
+};

@@ -13,6 +13,9 @@
 //!
 //! Tasks are split once: every fifth task is reserved for held-out pairs, so held-out
 //! accuracy measures transfer to unseen prompts. The same seed gives the same bytes.
+//!
+//! These *opposed* personas are two, labelled without noise: a demonstration that
+//! saturates. [`drawn`] draws a persona per device and noisy labels, for the science.
 
 use rand::rngs::StdRng;
 use rand::seq::IndexedRandom;
@@ -20,6 +23,10 @@ use rand::{Rng, SeedableRng};
 
 use crate::error::{DataError, Result};
 use crate::pair::PreferencePair;
+
+mod drawn;
+
+pub use drawn::{generate_drawn_device, DrawnDeviceData, DrawnPersona, QUALITY_WEIGHT};
 
 /// Number of style axes.
 pub const STYLE_AXES: usize = 4;
@@ -264,6 +271,59 @@ fn pairs_for(persona: &Persona, heldout: bool, count: usize, rng: &mut StdRng) -
     pairs
 }
 
+/// Which synthetic personas a fleet holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Personas {
+    /// Two opposed personas, labels without noise ([`generate_device`]).
+    #[default]
+    Opposed,
+    /// One persona per device drawn around a shared one, noisy labels
+    /// ([`generate_drawn_device`]).
+    Drawn,
+}
+
+impl std::str::FromStr for Personas {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "opposed" => Ok(Self::Opposed),
+            "drawn" => Ok(Self::Drawn),
+            other => Err(format!("`{other}`: expected opposed or drawn")),
+        }
+    }
+}
+
+impl std::fmt::Display for Personas {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Opposed => "opposed",
+            Self::Drawn => "drawn",
+        })
+    }
+}
+
+/// Device `device`'s (train, held-out) pairs and held-out Bayes ceiling under `personas`
+/// (labels at `temperature` for drawn ones; opposed ones are noiseless, ceiling 1).
+pub fn generate_pairs(
+    spec: &SyntheticSpec,
+    personas: Personas,
+    temperature: f64,
+    device: usize,
+) -> Result<(Vec<PreferencePair>, Vec<PreferencePair>, f64)> {
+    match personas {
+        Personas::Opposed => generate_device(spec, device).map(|d| (d.train, d.heldout, 1.0)),
+        Personas::Drawn => {
+            generate_drawn_device(spec, temperature, device).map(|d| (d.train, d.heldout, d.heldout_ceiling))
+        }
+    }
+}
+
+/// The seed of device `device`'s own random stream.
+fn device_stream(seed: u64, device: usize) -> u64 {
+    seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(device as u64)
+}
+
 /// The training and held-out pairs of one device.
 #[derive(Debug, Clone)]
 pub struct DeviceData {
@@ -279,8 +339,7 @@ pub struct DeviceData {
 /// device's data does not depend on how many devices the fleet has.
 pub fn generate_device(spec: &SyntheticSpec, device: usize) -> Result<DeviceData> {
     let persona = Persona::new(device, spec.heterogeneity)?;
-    let stream = spec.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(device as u64);
-    let mut rng = StdRng::seed_from_u64(stream);
+    let mut rng = StdRng::seed_from_u64(device_stream(spec.seed, device));
     let train = pairs_for(&persona, false, spec.train_pairs, &mut rng);
     let heldout = pairs_for(&persona, true, spec.heldout_pairs, &mut rng);
     Ok(DeviceData { persona, train, heldout })

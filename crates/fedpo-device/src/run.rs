@@ -7,7 +7,7 @@ use std::sync::Arc;
 use anyhow::{bail, Result};
 use clap::Args;
 use fedpo_data::partition::train_heldout_split;
-use fedpo_data::synthetic::{generate_device, SyntheticSpec};
+use fedpo_data::synthetic::{generate_pairs, Personas, SyntheticSpec};
 use fedpo_data::{load_jsonl, DataFormat};
 use fedpo_device::participant::{self, ParticipantConfig};
 use fedpo_transport::{BrokerUrl, TlsFiles};
@@ -47,6 +47,12 @@ pub(crate) struct RunArgs {
     /// Use synthetic persona K instead of a file.
     #[arg(long)]
     synthetic_persona: Option<usize>,
+    /// Synthetic personas: opposed or drawn (as `fedpo-aggregator simulate --personas`).
+    #[arg(long, default_value = "opposed")]
+    personas: Personas,
+    /// Temperature of drawn personas' labels.
+    #[arg(long, default_value_t = 1.0)]
+    label_temperature: f64,
     /// Synthetic heterogeneity in [0, 1]; every device of a job must use the same value.
     #[arg(long, default_value_t = 1.0)]
     heterogeneity: f64,
@@ -142,8 +148,8 @@ pub(crate) fn run(args: RunArgs) -> Result<()> {
                 heldout_pairs: args.heldout_pairs,
                 seed: args.seed,
             };
-            let d = generate_device(&spec, k)?;
-            (d.train, d.heldout)
+            let (train, heldout, _) = generate_pairs(&spec, args.personas, args.label_temperature, k)?;
+            (train, heldout)
         }
         (None, None) => bail!("give --data FILE or --synthetic-persona K"),
     };
