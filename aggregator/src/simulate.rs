@@ -18,7 +18,7 @@ use fedpo_data::partition::{train_heldout_split, Partition};
 use fedpo_data::synthetic::{generate_pairs, Personas, SyntheticSpec};
 use fedpo_data::{load_jsonl_keyed, to_jsonl, DataFormat, PreferencePair};
 use fedpo_device::adversary::Adversary;
-use fedpo_device::participant::{self, ParticipantConfig};
+use fedpo_device::participant::{self, ParticipantConfig, TrainingSlots};
 use fedpo_transport::{BrokerUrl, LinkOptions, MqttLink, TlsFiles};
 use fedpo_wire::{Signer, TrustedKey};
 
@@ -43,6 +43,11 @@ pub(crate) struct SimulateArgs {
     /// Run each device as a child `fedpo-device run` process instead of a thread.
     #[arg(long)]
     pub(crate) processes: bool,
+    /// In-process devices that train at once (default: this machine's cores). The rest of
+    /// a round's selection waits its turn, so memory grows with this, not with
+    /// --per-round. Not used with --processes.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    pub(crate) concurrency: Option<u64>,
     /// Pairs to deal to the devices instead of synthetic personas: JSONL in any layout
     /// `train-local` reads (TRL, HH-RLHF, SHP).
     #[arg(long, value_name = "FILE")]
@@ -242,6 +247,9 @@ impl SimulateArgs {
             return Ok(Fleet::Processes(children));
         }
         let stop = Arc::new(AtomicBool::new(false));
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let slots = self.concurrency.map_or(cores, |n| n as usize);
+        let training_slots = Some(Arc::new(TrainingSlots::new(slots)));
         if self.job.method == Method::Centralized {
             // One trainer holding every persona's pairs.
             let (train, heldout) = shards.drain(..).fold((Vec::new(), Vec::new()), |(mut t, mut h), (_, dt, dh)| {
@@ -271,6 +279,7 @@ impl SimulateArgs {
                 rejoin: false,
                 reset_adapter: false,
                 alone_in_process: false,
+                training_slots: training_slots.clone(),
                 adversary: (k < self.attackers).then_some(self.attack),
                 stop: stop.clone(),
             };

@@ -153,6 +153,7 @@ fn fleet_runs_through_mosquitto_with_mtls_and_a_device_cannot_publish_as_another
                 rejoin: false,
                 reset_adapter: false,
                 alone_in_process: false,
+                training_slots: None,
                 adversary: None,
                 stop: Arc::new(AtomicBool::new(false)),
             };

@@ -63,6 +63,7 @@ fn devices_train_only_on_plans_signed_by_the_key_they_pin() {
                 rejoin: false,
                 reset_adapter: false,
                 alone_in_process: false,
+                training_slots: None,
                 adversary: None,
                 stop: if pinned == &stranger { stop.clone() } else { Arc::new(AtomicBool::new(false)) },
             };

@@ -28,7 +28,10 @@ use crate::state_dir::StateDir;
 mod admission;
 mod download;
 mod secure;
+mod slots;
 mod upload;
+
+pub use slots::{Slot, TrainingSlots};
 
 use download::check_download;
 use upload::publish_update;
@@ -118,6 +121,9 @@ pub struct ParticipantConfig {
     /// resident memory is its own and goes with each update. Devices simulated in one
     /// process leave it out rather than each report the whole process's.
     pub alone_in_process: bool,
+    /// Shared by the devices of one process to limit how many train at once; `None`: no
+    /// limit.
+    pub training_slots: Option<Arc<TrainingSlots>>,
     /// Simulations only: poison every uploaded update this way.
     pub adversary: Option<crate::adversary::Adversary>,
     /// Set to stop the participant between rounds.
@@ -499,6 +505,13 @@ impl Participant {
     fn round(&mut self, plan: &RoundPlan, bytes: BundleBytes) -> Result<(), ParticipantError> {
         let span = tracing::info_span!("round", round = plan.round);
         let _enter = span.enter();
+        let slots = self.cfg.training_slots.clone();
+        let _slot = slots.as_deref().map(|s| {
+            let waited = Instant::now();
+            let slot = s.acquire();
+            tracing::debug!(seconds = format_args!("{:.1}", waited.elapsed().as_secs_f64()), "training slot");
+            slot
+        });
         let mut progress = self.state.progress()?;
         if progress.reference_model.is_none() {
             // This model becomes the reference: keep it, to rebuild the reference

@@ -172,6 +172,7 @@ pub(crate) fn run(args: RunArgs) -> Result<()> {
         rejoin: args.rejoin,
         reset_adapter: args.reset_adapter,
         alone_in_process: true,
+        training_slots: None,
         adversary: None,
         stop,
     };

@@ -180,6 +180,7 @@ pub fn participant_config(
         rejoin: false,
         reset_adapter: false,
         alone_in_process: false,
+        training_slots: None,
         adversary: None,
         stop: Arc::new(AtomicBool::new(false)),
     }
