@@ -219,8 +219,14 @@ impl SimulateArgs {
                         devices_dir.join(format!("{id}.heldout.jsonl")),
                     );
                     std::fs::write(&train_file, to_jsonl(train))?;
-                    std::fs::write(&heldout_file, to_jsonl(heldout))?;
-                    cmd.arg("--data").arg(&train_file).arg("--heldout").arg(&heldout_file);
+                    cmd.arg("--data").arg(&train_file);
+                    if heldout.is_empty() {
+                        // A file without pairs is an error to the device; hold none out.
+                        cmd.args(["--heldout-fraction", "0"]);
+                    } else {
+                        std::fs::write(&heldout_file, to_jsonl(heldout))?;
+                        cmd.arg("--heldout").arg(&heldout_file);
+                    }
                 } else {
                     cmd.args(["--synthetic-persona", &k.to_string()])
                         .args(["--personas", &self.personas.to_string()])

@@ -58,6 +58,17 @@ fn shp_pairs_dealt_by_domain_give_each_device_process_one_domain_of_its_own() {
 }
 
 #[test]
+fn device_processes_without_heldout_pairs_train_on_their_whole_share() {
+    let dir = fedpo_tests::TestDir::new();
+    let out = dir.path().join("no-heldout");
+    let hh = fixture("hh-rlhf-sample.jsonl");
+    simulate(&out, &hh, &["--devices", "2", "--heldout-fraction", "0", "--processes"]).unwrap();
+    assert_eq!(participants(&out), serde_json::json!(["dev-0", "dev-1"]));
+    let lines = |f: &str| std::fs::read_to_string(out.join("devices").join(f)).unwrap().lines().count();
+    assert_eq!(lines("dev-0.train.jsonl") + lines("dev-1.train.jsonl"), 4);
+}
+
+#[test]
 fn hh_rlhf_pairs_dealt_iid_or_by_dirichlet_train_every_device() {
     let dir = fedpo_tests::TestDir::new();
     for partition in ["iid", "dirichlet:0.5"] {
