@@ -111,6 +111,20 @@ pub(crate) struct JobArgs {
     /// upload per device and round, reported as diagnostics_bytes).
     #[arg(long)]
     pub(crate) diagnostics: bool,
+    /// With --diagnostics, measure only every K-th training round (and the first and
+    /// last): the full-data gradient costs more than a round's local steps.
+    #[arg(long, value_name = "K", default_value_t = 1, requires = "diagnostics",
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub(crate) diagnostics_every: u64,
+    /// Devices measure held-out accuracy only every K-th training round (and the first,
+    /// the last and the closing evaluation): it costs a forward pass over every held-out
+    /// pair.
+    #[arg(long, value_name = "K", default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    pub(crate) heldout_every: u64,
+    /// Set by `simulate --trim-vocab`: the preset's (vocabulary size, positions) shrink
+    /// to these.
+    #[arg(skip)]
+    pub(crate) trimmed: Option<(usize, usize)>,
     /// Ed25519 private key (PEM PKCS#8, e.g. security/make-certs.sh's signing.key): every
     /// plan is signed with it, and devices that pin its public key (`--trust-key`) refuse
     /// plans and models that do not verify.
@@ -340,13 +354,29 @@ impl JobArgs {
         Ok(ClientTerm::new(self.client_term, self.prox_mu, fedga, global))
     }
 
+    /// Whether training round `round` carries the --diagnostics measurement.
+    pub(crate) fn diagnoses(&self, round: u64) -> bool {
+        self.diagnostics && (round == 1 || round == self.rounds || round.is_multiple_of(self.diagnostics_every))
+    }
+
+    /// Whether training round `round`'s devices measure held-out accuracy.
+    pub(crate) fn evaluates_heldout(&self, round: u64) -> bool {
+        round == 1 || round == self.rounds || round.is_multiple_of(self.heldout_every)
+    }
+
     /// The round-0 global model: a preset initialised from --seed, or an HF checkpoint.
     pub(crate) fn initial_model(&self) -> Result<GlobalModel> {
         let targets: Vec<&str> = self.targets.0.iter().map(String::as_str).collect();
         let lora = LoraConfig::new(self.rank, self.alpha, &targets)?;
         let partition = Partition { preset: self.method.partition(), freeze_embeddings: self.freeze_embeddings };
         let (config, base) = match Gpt2Config::preset(&self.model) {
-            Some(c) => (c, None),
+            Some(c) => {
+                let (vocab_size, n_positions) = self.trimmed.unwrap_or((c.vocab_size, c.n_positions));
+                (Gpt2Config { vocab_size, n_positions: n_positions.min(c.n_positions), ..c }, None)
+            }
+            None if self.trimmed.is_some() => {
+                bail!("a trimmed vocabulary needs a preset model (tiny, distilgpt2), not `{}`", self.model)
+            }
             None => {
                 let ckpt = load_hf_dir(Path::new(&self.model), &Device::Cpu).with_context(|| {
                     format!(

@@ -12,6 +12,7 @@ mod accumulator;
 mod adaptive;
 mod aggregation;
 mod broker_args;
+mod chart;
 mod checkpoint;
 mod client_term;
 mod diagnostics;

@@ -39,13 +39,18 @@ pub(crate) struct RoundRecord {
     /// devices' full gradients at the round's model; otherwise the pseudo-gradient
     /// ‖mean update‖ / (lr · E) that local SGD followed.
     pub(crate) grad_norm: f64,
+    /// The pseudo-gradient norm ‖mean update‖ / (lr · E), every training round, so that
+    /// rounds with and without the --diagnostics measurement can be compared.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) pseudo_grad_norm: Option<f64>,
     /// Gradient diversity mean_i ‖∇F_i(θ_t) − mean‖² (with --diagnostics).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) kappa2: Option<f64>,
     /// Mean pairwise cosine between device updates, per layer (with --diagnostics).
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub(crate) layer_cos: BTreeMap<String, f64>,
-    /// Of bytes_up, what the diagnostic gradients took (with --diagnostics).
+    /// Of bytes_up, what the diagnostic gradients took: present exactly on the rounds that
+    /// measured --diagnostics (so then `grad_norm` is the exact one).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) diagnostics_bytes: Option<u64>,
     /// Norm of the change applied to the global model.
@@ -194,7 +199,9 @@ mod tests {
     #[test]
     fn keys_of_features_not_in_use_are_left_out_not_null() {
         let line = serde_json::to_value(RoundRecord::default()).unwrap();
-        for key in ["kappa2", "layer_cos", "diagnostics_bytes", "dp_epsilon", "dp_delta", "peak_rss_mib"] {
+        for key in
+            ["kappa2", "layer_cos", "diagnostics_bytes", "pseudo_grad_norm", "dp_epsilon", "dp_delta", "peak_rss_mib"]
+        {
             assert!(line.get(key).is_none(), "{key} written without its feature: {line}");
         }
         let back: RoundRecord = serde_json::from_value(line).unwrap();

@@ -1,112 +1,30 @@
 //! PNG plots of a job's rounds: loss, accuracies and gradient norm.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 
-use anyhow::{anyhow, Result};
-use plotters::prelude::*;
-use plotters::style::{register_font, FontStyle};
+use anyhow::Result;
 
+use crate::chart::{Chart, Reference, Series};
 use crate::metrics::{mean, RoundRecord};
 
-const DARK_GREEN: RGBColor = RGBColor(0, 140, 60);
-
-static FONT: &[u8] = include_bytes!("../assets/DejaVuSans-subset.ttf");
-
-fn ensure_font() {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        if register_font("sans-serif", FontStyle::Normal, FONT).is_err() {
-            tracing::warn!("could not register the plot font; plot text may be missing");
-        }
-    });
+/// The exact global gradient norm where the round measured --diagnostics.
+pub(crate) fn exact_grad_norm(r: &RoundRecord) -> Option<f64> {
+    r.diagnostics_bytes.map(|_| r.grad_norm)
 }
 
-/// One line on a chart.
-pub(crate) struct Series {
-    pub(crate) label: String,
-    pub(crate) points: Vec<(f64, f64)>,
-    pub(crate) color: RGBColor,
-    /// Thin, faint and left out of the legend (per-device lines, ± std bounds).
-    pub(crate) thin: bool,
+/// The pseudo-gradient norm ‖mean Δ‖ / (lr · E) (records from before it was kept
+/// separately hold it in `grad_norm` when they did not measure --diagnostics).
+pub(crate) fn pseudo_grad_norm(r: &RoundRecord) -> Option<f64> {
+    r.pseudo_grad_norm.or_else(|| r.diagnostics_bytes.is_none().then_some(r.grad_norm))
 }
 
-/// Distinct colours for series, in order.
-pub(crate) const PALETTE: [RGBColor; 8] = [
-    RGBColor(214, 39, 40),
-    RGBColor(31, 119, 180),
-    DARK_GREEN,
-    RGBColor(148, 103, 189),
-    RGBColor(255, 127, 14),
-    RGBColor(23, 190, 207),
-    RGBColor(140, 86, 75),
-    RGBColor(0, 0, 0),
-];
-
-/// An x tick label: integers only when every x is one (rounds, ranks), else up to two
-/// decimals without trailing zeros.
-fn tick(x: f64, integer_x: bool) -> String {
-    if integer_x {
-        return if (x - x.round()).abs() < 1e-6 { format!("{}", x.round()) } else { String::new() };
-    }
-    let s = format!("{x:.2}");
-    s.trim_end_matches('0').trim_end_matches('.').to_string()
-}
-
-pub(crate) fn line_chart(path: &Path, title: &str, x_desc: &str, y_label: &str, series: &[Series]) -> Result<()> {
-    ensure_font();
-    let all: Vec<(f64, f64)> = series.iter().flat_map(|s| s.points.iter().copied()).collect();
-    if all.is_empty() {
-        return Ok(());
-    }
-    let all: Vec<(f64, f64)> = all.into_iter().filter(|p| p.0.is_finite() && p.1.is_finite()).collect();
-    if all.is_empty() {
-        return Ok(());
-    }
-    let (x_min, x_max, y_min, y_max) =
-        all.iter().fold((f64::INFINITY, f64::NEG_INFINITY, f64::INFINITY, f64::NEG_INFINITY), |(a, b, lo, hi), p| {
-            (a.min(p.0), b.max(p.0), lo.min(p.1), hi.max(p.1))
-        });
-    let pad = ((y_max - y_min) * 0.08).max(1e-3);
-    let integer_x = all.iter().all(|p| p.0.fract() == 0.0);
-    let root = BitMapBackend::new(path, (900, 540)).into_drawing_area();
-    let err = |e: &dyn std::fmt::Display| anyhow!("plotting {}: {e}", path.display());
-    root.fill(&WHITE).map_err(|e| err(&e))?;
-    let mut chart = ChartBuilder::on(&root)
-        .caption(title, ("sans-serif", 24))
-        .margin(16)
-        .x_label_area_size(44)
-        .y_label_area_size(64)
-        .build_cartesian_2d(x_min - 0.5..x_max + 0.5, (y_min - pad)..(y_max + pad))
-        .map_err(|e| err(&e))?;
-    chart
-        .configure_mesh()
-        .x_desc(x_desc)
-        .x_label_formatter(&|x| tick(*x, integer_x))
-        .light_line_style(WHITE)
-        .y_desc(y_label)
-        .label_style(("sans-serif", 15))
-        .axis_desc_style(("sans-serif", 17))
-        .draw()
-        .map_err(|e| err(&e))?;
-    for s in series {
-        let style = if s.thin { s.color.mix(0.45).stroke_width(1) } else { s.color.stroke_width(3) };
-        let drawn = chart.draw_series(LineSeries::new(s.points.clone(), style)).map_err(|e| err(&e))?;
-        if !s.thin {
-            let color = s.color;
-            drawn
-                .label(s.label.clone())
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(3)));
-        }
-    }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .label_font(("sans-serif", 15))
-        .draw()
-        .map_err(|e| err(&e))?;
-    root.present().map_err(|e| err(&e))?;
-    Ok(())
+/// Each device's held-out Bayes ceiling (`ceilings.json`, written for drawn personas).
+pub(crate) fn read_ceilings(out: &Path) -> BTreeMap<String, f64> {
+    std::fs::read(out.join("ceilings.json"))
+        .ok()
+        .and_then(|bytes| serde_json::from_slice(&bytes).ok())
+        .unwrap_or_default()
 }
 
 /// Writes `loss.png`, `accuracy.png` and `grad_norm.png` into `out`.
@@ -115,50 +33,54 @@ pub(crate) fn write_plots(out: &Path, method: &str, records: &[RoundRecord]) -> 
     let points = |f: &dyn Fn(&RoundRecord) -> Option<f64>| -> Vec<(f64, f64)> {
         training.iter().filter_map(|r| Some((r.round as f64, f(r)?))).collect()
     };
-    line_chart(
-        &out.join("loss.png"),
-        &format!("{method}: training DPO loss"),
-        "round",
-        "loss",
-        &[Series { label: "train loss".into(), points: points(&|r| Some(r.train_loss)), color: RED, thin: false }],
-    )?;
+    let chart = |title: String, y_label: &str, series: Vec<Series>, references: Vec<Reference>| Chart {
+        title,
+        x_label: "round".into(),
+        y_label: y_label.into(),
+        series,
+        references,
+        note: None,
+    };
+    chart(
+        format!("{method}: training DPO loss"),
+        "DPO loss (mean over devices)",
+        vec![Series::plain(0, "training loss", points(&|r| Some(r.train_loss)))],
+        vec![],
+    )
+    .write(&out.join("loss.png"))?;
     let mut acc = vec![
-        Series {
-            label: "train reward acc (mean)".into(),
-            points: points(&|r| (!r.reward_acc.is_empty()).then(|| mean(&r.reward_acc))),
-            color: BLUE,
-            thin: false,
-        },
-        Series {
-            label: "held-out reward acc (mean)".into(),
-            points: points(&|r| (!r.heldout_acc.is_empty()).then(|| mean(&r.heldout_acc))),
-            color: DARK_GREEN,
-            thin: false,
-        },
+        Series::plain(0, "training pairs (mean)", points(&|r| (!r.reward_acc.is_empty()).then(|| mean(&r.reward_acc)))),
+        Series::plain(
+            1,
+            "held-out pairs (mean)",
+            points(&|r| (!r.heldout_acc.is_empty()).then(|| mean(&r.heldout_acc))),
+        ),
     ];
     let devices: std::collections::BTreeSet<&String> = training.iter().flat_map(|r| r.heldout_acc.keys()).collect();
-    for d in devices {
-        acc.push(Series {
-            label: d.clone(),
-            points: points(&|r| r.heldout_acc.get(d).copied()),
-            color: DARK_GREEN,
-            thin: true,
-        });
+    for (k, d) in devices.into_iter().enumerate() {
+        acc.push(Series::plain(k + 2, format!("{d}, held-out"), points(&|r| r.heldout_acc.get(d).copied())));
     }
-    line_chart(
-        &out.join("accuracy.png"),
-        &format!("{method}: reward accuracy (thin: each device, held-out)"),
-        "round",
-        "accuracy",
-        &acc,
-    )?;
-    line_chart(
-        &out.join("grad_norm.png"),
-        &format!("{method}: global gradient norm"),
-        "round",
-        "‖g‖",
-        &[Series { label: "grad norm".into(), points: points(&|r| Some(r.grad_norm)), color: MAGENTA, thin: false }],
-    )
+    let ceilings = read_ceilings(out);
+    let references = if ceilings.is_empty() {
+        vec![]
+    } else {
+        vec![Reference {
+            label: "Bayes ceiling (mean over devices)".into(),
+            y: mean(&ceilings),
+            color: plotters::style::RGBColor(90, 90, 90),
+        }]
+    };
+    chart(format!("{method}: reward accuracy"), "reward accuracy (fraction of pairs)", acc, references)
+        .write(&out.join("accuracy.png"))?;
+    let exact = points(&exact_grad_norm);
+    let mut norms = Vec::new();
+    if !exact.is_empty() {
+        norms.push(Series::plain(0, "exact ‖∇F(θ)‖ (--diagnostics)", exact));
+    }
+    norms.push(Series::plain(1, "pseudo-gradient ‖mean Δ‖ / (lr·E)", points(&pseudo_grad_norm)));
+    chart(format!("{method}: global gradient norm"), "gradient norm", norms, vec![])
+        .write(&out.join("grad_norm.png"))?;
+    Ok(())
 }
 
 /// Reads `metrics.jsonl` back (all rounds, across resumes).

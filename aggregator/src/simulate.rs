@@ -19,6 +19,7 @@ use fedpo_data::synthetic::{generate_pairs, Personas, SyntheticSpec};
 use fedpo_data::{load_jsonl_keyed, to_jsonl, DataFormat, PreferencePair};
 use fedpo_device::adversary::Adversary;
 use fedpo_device::participant::{self, ParticipantConfig, TrainingSlots};
+use fedpo_model::{Gpt2Tokenizer, TrimmedVocab, GPT2_VOCAB_SIZE};
 use fedpo_transport::{BrokerUrl, LinkOptions, MqttLink, TlsFiles};
 use fedpo_wire::{Signer, TrustedKey};
 
@@ -85,6 +86,13 @@ pub(crate) struct SimulateArgs {
     /// Tokens per sequence after truncation.
     #[arg(long, default_value_t = 128)]
     pub(crate) max_len: usize,
+    /// Shrink the model's vocabulary to the tokens the fleet's pairs use (ids renumbered,
+    /// head and embedding cut to match; written to OUT/vocab.json), and its position table
+    /// to --max-len, which no sequence passes. Much faster for small presets, whose GPT-2
+    /// head is most of their work; log-probabilities then normalise over the kept tokens
+    /// only. Preset models only.
+    #[arg(long)]
+    pub(crate) trim_vocab: bool,
     /// Continue the checkpoint in --out.
     #[arg(long)]
     pub(crate) resume: bool,
@@ -106,6 +114,23 @@ pub(crate) struct SimulateArgs {
     /// default) or scale:FACTOR (FACTOR·Δ).
     #[arg(long, default_value = "sign-flip")]
     pub(crate) attack: Adversary,
+}
+
+/// One device's (id, training pairs, held-out pairs).
+type Shard = (String, Vec<PreferencePair>, Vec<PreferencePair>);
+
+/// Where `--trim-vocab` writes the fleet's vocabulary.
+const VOCAB_FILE: &str = "vocab.json";
+
+/// The vocabulary of every pair of the fleet, written to OUT/vocab.json.
+fn trim_vocab(shards: &[Shard], out: &Path) -> Result<TrimmedVocab> {
+    let texts = shards
+        .iter()
+        .flat_map(|(_, train, heldout)| train.iter().chain(heldout))
+        .flat_map(|p| [p.prompt.as_str(), p.chosen.as_str(), p.rejected.as_str()]);
+    let vocab = Gpt2Tokenizer::gpt2()?.vocabulary_of(texts)?;
+    vocab.save(&out.join(VOCAB_FILE))?;
+    Ok(vocab)
 }
 
 enum Fleet {
@@ -150,7 +175,7 @@ impl SimulateArgs {
 
     /// Each device's (id, train, held-out) pairs: dealt from --data, or its synthetic
     /// persona's.
-    fn shards(&self) -> Result<Vec<(String, Vec<PreferencePair>, Vec<PreferencePair>)>> {
+    fn shards(&self) -> Result<Vec<Shard>> {
         let Some(path) = &self.data else {
             let spec = self.spec();
             let mut ceilings = serde_json::Map::new();
@@ -196,7 +221,13 @@ impl SimulateArgs {
         Ok(shards)
     }
 
-    fn spawn_fleet(&self, url: &BrokerUrl, tls: &TlsFiles) -> Result<Fleet> {
+    fn spawn_fleet(
+        &self,
+        url: &BrokerUrl,
+        tls: &TlsFiles,
+        mut shards: Vec<Shard>,
+        vocab: Option<Arc<TrimmedVocab>>,
+    ) -> Result<Fleet> {
         let devices_dir = self.out.join("devices");
         std::fs::create_dir_all(&devices_dir)?;
         // With --signing-key every simulated device pins the matching public key.
@@ -204,7 +235,6 @@ impl SimulateArgs {
             Some(path) => Some(Signer::from_pem_file(path)?.public_key_hex()),
             None => None,
         };
-        let mut shards = self.shards()?;
         if self.processes {
             let bin = device_binary()?;
             let mut children = Vec::with_capacity(self.devices);
@@ -235,9 +265,12 @@ impl SimulateArgs {
                         .args(["--train-pairs", &self.train_pairs.to_string()])
                         .args(["--heldout-pairs", &self.heldout_pairs.to_string()]);
                 }
+                if vocab.is_some() {
+                    cmd.arg("--vocab").arg(self.out.join(VOCAB_FILE));
+                }
                 cmd.args(["--max-len", &self.max_len.to_string(), "--seed", &self.job.seed.to_string()])
                     .arg("--state-dir")
-                    .arg(devices_dir.join(&id))
+                    .arg(devices_dir.join(id))
                     .args(trusted_key.iter().flat_map(|k| ["--trust-key", k.as_str()]))
                     .args(self.device_max_memory.iter().flat_map(|mb| ["--max-memory".to_string(), mb.to_string()]))
                     .args(
@@ -276,6 +309,7 @@ impl SimulateArgs {
                 train,
                 heldout,
                 max_len: self.max_len,
+                vocab: vocab.clone(),
                 compute: Device::Cpu,
                 max_memory_mib: self.device_max_memory,
                 max_micro_batch_pairs: self.micro_batch_pairs.map(|n| n as usize),
@@ -323,6 +357,21 @@ pub(crate) fn run(args: SimulateArgs) -> Result<Summary> {
     let (url, broker) = args.broker.resolve(true)?;
     let tls = args.broker.tls();
     std::fs::create_dir_all(&args.out)?;
+    let shards = args.shards()?;
+    let vocab = if args.trim_vocab {
+        let vocab = trim_vocab(&shards, &args.out)?;
+        println!(
+            "--trim-vocab: the fleet's pairs use {} of GPT-2's {GPT2_VOCAB_SIZE} tokens; the model keeps those ({}) \
+             and {} positions",
+            vocab.len(),
+            args.out.join(VOCAB_FILE).display(),
+            args.max_len
+        );
+        job.trimmed = Some((vocab.len(), args.max_len));
+        Some(Arc::new(vocab))
+    } else {
+        None
+    };
     let mut opts = LinkOptions::new(format!("fedpo-{}-aggregator", job.job));
     opts.tls = tls.clone();
     let link = MqttLink::connect(&url, &opts)?;
@@ -343,7 +392,7 @@ pub(crate) fn run(args: SimulateArgs) -> Result<Summary> {
             job.aggregation.aggregation.name()
         );
     }
-    let fleet = args.spawn_fleet(&url, &tls)?;
+    let fleet = args.spawn_fleet(&url, &tls, shards, vocab)?;
     let result = server.run();
     finish_fleet(fleet, Duration::from_secs(60));
     let summary = result?;

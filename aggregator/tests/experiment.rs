@@ -76,3 +76,49 @@ fn invalid_grid_cell_is_refused_by_study_and_cell_before_anything_runs() {
     assert!(err.contains("study `methods`") && err.contains("per-round=0") && err.contains("--per-round"), "{err}");
     assert!(!out.exists(), "nothing ran");
 }
+
+#[test]
+fn a_cell_two_studies_share_runs_once_and_parallel_runs_give_the_same_results() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("shared.toml");
+    let shared = format!("{MICRO}\n[[study]]\nname = \"again\"\nfixed = {{ method = \"pfeddpo\" }}\n");
+    std::fs::write(&file, shared).unwrap();
+    let (one, two) = (dir.path().join("one"), dir.path().join("two"));
+    experiment(&file, &one).unwrap();
+    let status = std::process::Command::new(env!("CARGO_BIN_EXE_fedpo-aggregator"))
+        .arg("experiment")
+        .arg(&file)
+        .arg("--out")
+        .arg(&two)
+        .args(["--parallel", "2"])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    for out in [&one, &two] {
+        assert!(!out.join("again").exists(), "the shared cell ran again in {}", out.display());
+        let summary = read(out, "summary.csv");
+        let rows: Vec<&str> = summary.lines().filter(|l| l.contains("pfeddpo") || l.starts_with("again")).collect();
+        assert_eq!(rows.len(), 2, "both studies report the shared run\n{summary}");
+        assert_eq!(rows[0].split(',').skip(3).collect::<Vec<_>>(), rows[1].split(',').skip(3).collect::<Vec<_>>());
+    }
+    assert!(two.join("methods/method=pfeddpo/seed-5/simulate.log").exists(), "a parallel run logs to its directory");
+    // A run at once has all the cores; two at once have one thread each, and a different
+    // split of the kernels' sums changes the last digits.
+    for name in ["results.csv", "devices.csv", "summary.csv"] {
+        assert_close_csv(&read(&one, name), &read(&two, name), name);
+    }
+}
+
+fn assert_close_csv(a: &str, b: &str, name: &str) {
+    assert_eq!(a.lines().count(), b.lines().count(), "{name}: rows differ");
+    for (la, lb) in a.lines().zip(b.lines()) {
+        let (fa, fb): (Vec<&str>, Vec<&str>) = (la.split(',').collect(), lb.split(',').collect());
+        assert_eq!(fa.len(), fb.len(), "{name}: {la} / {lb}");
+        for (x, y) in fa.iter().zip(&fb) {
+            match (x.parse::<f64>(), y.parse::<f64>()) {
+                (Ok(x), Ok(y)) => assert!((x - y).abs() <= 1e-5 * x.abs().max(1.0), "{name}: {la} / {lb}"),
+                _ => assert_eq!(x, y, "{name}: {la} / {lb}"),
+            }
+        }
+    }
+}

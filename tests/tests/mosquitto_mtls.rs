@@ -136,6 +136,7 @@ fn fleet_runs_through_mosquitto_with_mtls_and_a_device_cannot_publish_as_another
         .map(|(k, id)| {
             let data = generate_device(&spec, k).unwrap();
             let cfg = ParticipantConfig {
+                vocab: None,
                 broker: url.clone(),
                 tls: tls(&certs, id),
                 job: "mtls".into(),

@@ -46,6 +46,7 @@ fn devices_train_only_on_plans_signed_by_the_key_they_pin() {
         .map(|(k, (id, pinned))| {
             let data = generate_device(&spec, k).unwrap();
             let cfg = ParticipantConfig {
+                vocab: None,
                 broker: url.clone(),
                 tls: Default::default(),
                 job: "signed".into(),

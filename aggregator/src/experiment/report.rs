@@ -17,6 +17,8 @@ use crate::metrics::{mean, RoundRecord};
 pub(crate) struct RunResult {
     pub(crate) spec: RunSpec,
     pub(crate) records: Vec<RoundRecord>,
+    /// Each device's held-out Bayes ceiling (drawn personas), else empty.
+    pub(crate) ceilings: BTreeMap<String, f64>,
 }
 
 impl RunResult {
@@ -29,7 +31,13 @@ impl RunResult {
         self.records.iter().rev().find(|r| r.evaluation).or_else(|| self.training().last())
     }
 
-    fn final_heldout(&self) -> Option<f64> {
+    /// The run's Bayes ceiling: the mean of its devices' (a centralized run holds all
+    /// their held-out pairs, in equal shares).
+    pub(crate) fn ceiling(&self) -> Option<f64> {
+        (!self.ceilings.is_empty()).then(|| mean(&self.ceilings))
+    }
+
+    pub(crate) fn final_heldout(&self) -> Option<f64> {
         self.final_record().filter(|r| !r.heldout_acc.is_empty()).map(|r| mean(&r.heldout_acc))
     }
 
@@ -132,6 +140,8 @@ pub(crate) struct CellSummary {
     pub(crate) loss: (f64, f64),
     pub(crate) grad_norm: (f64, f64),
     pub(crate) kappa2_drop: Option<(f64, f64)>,
+    /// Mean ± std over seeds of the runs' Bayes ceilings.
+    pub(crate) ceiling: Option<(f64, f64)>,
 }
 
 /// Runs grouped by study and cell, in file order.
@@ -155,6 +165,7 @@ pub(crate) fn summarize(runs: &[RunResult]) -> Vec<CellSummary> {
                 |f: &dyn Fn(&RunResult) -> Option<f64>| members.iter().filter_map(|r| f(r)).collect::<Vec<_>>();
             let last = |f: fn(&RoundRecord) -> f64| move |r: &RunResult| r.training().last().map(f);
             let drops = collect(&|r| r.kappa2_drop());
+            let ceilings = collect(&|r| r.ceiling());
             CellSummary {
                 study,
                 label,
@@ -164,6 +175,7 @@ pub(crate) fn summarize(runs: &[RunResult]) -> Vec<CellSummary> {
                 loss: mean_std(&collect(&last(|r| r.train_loss))),
                 grad_norm: mean_std(&collect(&last(|r| r.grad_norm))),
                 kappa2_drop: (!drops.is_empty()).then(|| mean_std(&drops)),
+                ceiling: (!ceilings.is_empty()).then(|| mean_std(&ceilings)),
             }
         })
         .collect()
@@ -172,17 +184,17 @@ pub(crate) fn summarize(runs: &[RunResult]) -> Vec<CellSummary> {
 /// `summary.csv` and `summary.md` (a Markdown table, mean ± std over seeds).
 pub(crate) fn write_summary(out: &Path, cells: &[CellSummary]) -> Result<String> {
     let mut csv = String::from(
-        "study,label,seeds,heldout_mean,heldout_std,train_mean,train_std,loss_mean,loss_std,grad_norm_mean,grad_norm_std,kappa2_drop_mean,kappa2_drop_std\n",
+        "study,label,seeds,heldout_mean,heldout_std,train_mean,train_std,loss_mean,loss_std,grad_norm_mean,grad_norm_std,kappa2_drop_mean,kappa2_drop_std,ceiling_mean,ceiling_std\n",
     );
     let mut md = String::from(
-        "| study | run | seeds | held-out acc | train acc | final loss | grad norm | κ² fall¹ |\n|---|---|---|---|---|---|---|---|\n",
+        "| study | run | seeds | held-out acc | Bayes ceiling² | train acc | final loss | grad norm | κ² fall¹ |\n|---|---|---|---|---|---|---|---|---|\n",
     );
     let pm = |(m, s): (f64, f64), digits: usize| format!("{m:.digits$} ± {s:.digits$}");
     for c in cells {
         let (km, ks) = c.kappa2_drop.map_or((None, None), |(m, s)| (Some(m), Some(s)));
         writeln!(
             csv,
-            "{},\"{}\",{},{},{},{},{},{},{},{},{},{},{}",
+            "{},\"{}\",{},{},{},{},{},{},{},{},{},{},{},{},{}",
             c.study,
             c.label,
             c.seeds,
@@ -195,12 +207,15 @@ pub(crate) fn write_summary(out: &Path, cells: &[CellSummary]) -> Result<String>
             num(Some(c.grad_norm.0)),
             num(Some(c.grad_norm.1)),
             num(km),
-            num(ks)
+            num(ks),
+            num(c.ceiling.map(|c| c.0)),
+            num(c.ceiling.map(|c| c.1))
         )?;
+        let ceiling = c.ceiling.map_or("–".to_string(), |c| pm(c, 3));
         let drop = c.kappa2_drop.map_or("–".to_string(), |(m, s)| format!("{:.0} ± {:.0} %", 100.0 * m, 100.0 * s));
         writeln!(
             md,
-            "| {} | {} | {} | {} | {} | {} | {} | {drop} |",
+            "| {} | {} | {} | {} | {ceiling} | {} | {} | {} | {drop} |",
             c.study,
             c.label,
             c.seeds,
@@ -210,7 +225,10 @@ pub(crate) fn write_summary(out: &Path, cells: &[CellSummary]) -> Result<String>
             pm(c.grad_norm, 3)
         )?;
     }
-    md.push_str("\n¹ 1 − (mean κ² over the last quarter of the rounds) / (κ² of round 1); – with one participant.\n");
+    md.push_str(
+        "\n¹ 1 − (mean κ² over the last quarter of the measured rounds) / (κ² of round 1); – with one participant.\n",
+    );
+    md.push_str("² The held-out accuracy of each device's true utility, mean over devices (drawn personas only).\n");
     fedpo_model::io::write_atomic(&out.join("summary.csv"), csv.as_bytes())?;
     fedpo_model::io::write_atomic(&out.join("summary.md"), md.as_bytes())?;
     Ok(md)

@@ -30,7 +30,7 @@ impl Server {
             peak_rss_mib: open.reported.iter().filter_map(|(d, (_, m))| Some((d.clone(), m.peak_rss_mib?))).collect(),
             train_seconds: open.reported.iter().map(|(d, (_, m))| (d.clone(), m.seconds)).collect(),
             device_grad_norm: weighted(&|m| m.grad_norm),
-            diagnostics_bytes: self.job.diagnostics.then_some(open.diagnostics_bytes),
+            diagnostics_bytes: open.diagnostics.is_some().then_some(open.diagnostics_bytes),
             bytes_up: open.bytes_up,
             bytes_up_by_device: open.bytes_up_by_device.clone(),
             bytes_down: open.bytes_down,
@@ -61,6 +61,7 @@ impl Server {
                 Ok(sum) => {
                     let local = self.job.lr * f64::from(self.job.local_steps.max(1));
                     record.grad_norm = sum.mean_norm() / local;
+                    record.pseudo_grad_norm = Some(record.grad_norm);
                     if let Some(report) = open.diagnostics.as_ref().map(Diagnostics::report) {
                         record.grad_norm = report.grad_norm.unwrap_or(record.grad_norm);
                         record.kappa2 = report.kappa2;

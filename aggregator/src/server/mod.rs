@@ -310,8 +310,11 @@ impl Server {
         let mut sections = BTreeMap::new();
         if !evaluation {
             self.client_term.configure(&mut strategy);
-            if self.job.diagnostics {
+            if self.job.diagnoses(round) {
                 strategy.insert(keys::DIAGNOSTICS.into(), 1.0);
+            }
+            if !self.job.evaluates_heldout(round) {
+                strategy.insert(keys::HELDOUT_EVAL.into(), 0.0);
             }
             for (name, payload) in self.client_term.plan_sections() {
                 let (m, c) = split_payload(&format!("r{round}/{name}"), &payload, DEFAULT_CHUNK_BYTES);
@@ -368,7 +371,7 @@ impl Server {
             updates: RoundUpdates::new(&self.global, &self.job.aggregation, self.spent_sum.take()),
             controls: (training && self.client_term.required_section().is_some())
                 .then(|| WeightedSum::new(&self.global)),
-            diagnostics: (training && self.job.diagnostics).then(|| Diagnostics::new(&self.global)),
+            diagnostics: (training && self.job.diagnoses(round)).then(|| Diagnostics::new(&self.global)),
             diagnostics_bytes: 0,
             rejected: BTreeMap::new(),
             refused: BTreeSet::new(),

@@ -232,8 +232,13 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
             chosen: vec![0; args.resp_len],
             rejected: vec![0; args.resp_len],
         };
-        BatchTensors::for_width(&collate(&vec![&pair; args.pairs], 0), config.n_embd, DType::F32, &Device::Cpu)?
-            .grid()?
+        BatchTensors::for_width(
+            &collate(&vec![&pair; args.pairs], 0),
+            (config.n_embd, config.n_positions),
+            DType::F32,
+            &Device::Cpu,
+        )?
+        .grid()?
     };
     let head_rows = 2 * args.pairs * args.resp_len;
     let step_shapes = step_matmul_shapes(&config, sequences * width, head_rows, !args.base_frozen);

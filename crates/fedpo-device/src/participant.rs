@@ -94,6 +94,9 @@ pub struct ParticipantConfig {
     pub heldout: Vec<PreferencePair>,
     /// Tokens per sequence after truncation.
     pub max_len: usize,
+    /// The job's trimmed vocabulary (`simulate --trim-vocab`): the pairs are tokenized into
+    /// it, and the job's model must have as many tokens. `None`: GPT-2's whole vocabulary.
+    pub vocab: Option<Arc<fedpo_model::TrimmedVocab>>,
     /// Where the model computes.
     pub compute: Device,
     /// Memory budget for training, MiB: each round's micro-batch is planned to fit it, and a
@@ -165,6 +168,9 @@ struct Participant {
     train: Vec<TokenizedPair>,
     heldout: Vec<TokenizedPair>,
     pad_id: u32,
+    /// One past the largest token id in this device's pairs: the job's model needs at
+    /// least that many tokens.
+    vocab_needed: usize,
     limits: Limits,
     summary: ParticipantSummary,
     /// The micro-batch the memory budget allows for the pending round's model.
@@ -206,7 +212,10 @@ pub fn run(cfg: ParticipantConfig) -> Result<ParticipantSummary, ParticipantErro
     if cfg.train.is_empty() {
         return Err(ParticipantError::Config(format!("device `{}` has no training pairs", cfg.id)));
     }
-    let tokenizer = Gpt2Tokenizer::gpt2()?;
+    let tokenizer = match &cfg.vocab {
+        Some(vocab) => Gpt2Tokenizer::gpt2()?.with_trimmed_vocab(vocab.clone())?,
+        None => Gpt2Tokenizer::gpt2()?,
+    };
     let tok =
         |pairs: &[PreferencePair]| tokenize_pairs(pairs, |s| tokenizer.encode(s), cfg.max_len, tokenizer.eos_id());
     let (train, heldout) = (tok(&cfg.train)?, tok(&cfg.heldout)?);
@@ -224,6 +233,13 @@ pub fn run(cfg: ParticipantConfig) -> Result<ParticipantSummary, ParticipantErro
     let link = MqttLink::connect(&cfg.broker, &opts)?;
     link.subscribe(&topics.down())?;
     let pad_id = tokenizer.eos_id();
+    let vocab_needed = train
+        .iter()
+        .chain(&heldout)
+        .flat_map(|p| p.prompt.iter().chain(&p.chosen).chain(&p.rejected))
+        .chain(std::iter::once(&pad_id))
+        .max()
+        .map_or(0, |&id| id as usize + 1);
     let mut p = Participant {
         cfg,
         topics,
@@ -232,6 +248,7 @@ pub fn run(cfg: ParticipantConfig) -> Result<ParticipantSummary, ParticipantErro
         train,
         heldout,
         pad_id,
+        vocab_needed,
         limits: Limits::default(),
         summary: ParticipantSummary::default(),
         micro_batch_pairs: None,
@@ -537,6 +554,7 @@ impl Participant {
                 train: &self.train,
                 heldout: &self.heldout,
                 pad_id: self.pad_id,
+                vocab_needed: self.vocab_needed,
                 seed: device_seed(&self.cfg.id),
                 compute: &self.cfg.compute,
                 micro_batch_pairs: self.micro_batch_pairs,

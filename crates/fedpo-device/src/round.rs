@@ -49,6 +49,8 @@ pub(crate) struct RoundInputs<'a> {
     pub(crate) train: &'a [TokenizedPair],
     pub(crate) heldout: &'a [TokenizedPair],
     pub(crate) pad_id: u32,
+    /// One past the largest token id in the pairs.
+    pub(crate) vocab_needed: usize,
     pub(crate) seed: u64,
     pub(crate) compute: &'a Device,
     /// Pairs per forward pass, when a memory budget set it.
@@ -107,6 +109,16 @@ pub(crate) fn train_round(
     let plan = input.plan;
     let spec: PolicySpec = serde_json::from_str(&plan.model_spec)
         .map_err(|e| ParticipantError::Protocol(format!("round {}: unreadable model spec: {e}", plan.round)))?;
+    if spec.config.vocab_size < input.vocab_needed {
+        // A token id past the embedding would fail deep in the forward pass instead.
+        return Err(ParticipantError::Protocol(format!(
+            "round {}: the job's model has {} tokens but this device's pairs use token id {}; a job on a \
+             trimmed vocabulary needs each device to have its vocabulary file (--vocab)",
+            plan.round,
+            spec.config.vocab_size,
+            input.vocab_needed - 1
+        )));
+    }
     let global = TensorSource::from_wire(
         &input.global.tensors,
         &format!("the global model of round {}", plan.round),
@@ -180,8 +192,10 @@ pub(crate) fn train_round(
     // Held-out accuracy of the model the device holds at the start of the round: the new
     // global base with its own adapter, which is what a user of the device would get.
     let heldout_acc = match &heldout {
-        Some(h) => Some(evaluate(&policy, h, &settings)?.reward_acc),
-        None => None,
+        Some(h) if plan.strategy.get(keys::HELDOUT_EVAL) != Some(&0.0) => {
+            Some(evaluate(&policy, h, &settings)?.reward_acc)
+        }
+        _ => None,
     };
 
     let steps = plan.hyper.local_steps;

@@ -10,6 +10,7 @@ use fedpo_data::partition::train_heldout_split;
 use fedpo_data::synthetic::{generate_pairs, Personas, SyntheticSpec};
 use fedpo_data::{load_jsonl, DataFormat};
 use fedpo_device::participant::{self, ParticipantConfig};
+use fedpo_model::{TrimmedVocab, GPT2_VOCAB_SIZE};
 use fedpo_transport::{BrokerUrl, TlsFiles};
 use fedpo_wire::TrustedKey;
 
@@ -68,6 +69,10 @@ pub(crate) struct RunArgs {
     /// Tokens per sequence after truncation.
     #[arg(long, default_value_t = 128)]
     max_len: usize,
+    /// The job's trimmed vocabulary (`vocab.json` from `simulate --trim-vocab`): pairs are
+    /// tokenized into it, for a job whose model has only those tokens.
+    #[arg(long, value_name = "FILE")]
+    vocab: Option<PathBuf>,
     /// Compute device: auto (the best backend built in: cuda, metal, then cpu), cpu,
     /// cuda[:N] or metal.
     #[arg(long, default_value = "auto")]
@@ -153,6 +158,10 @@ pub(crate) fn run(args: RunArgs) -> Result<()> {
         }
         (None, None) => bail!("give --data FILE or --synthetic-persona K"),
     };
+    let vocab = match &args.vocab {
+        Some(path) => Some(Arc::new(TrimmedVocab::load(path, GPT2_VOCAB_SIZE)?)),
+        None => None,
+    };
     let stop = Arc::new(AtomicBool::new(false));
     let cfg = ParticipantConfig {
         broker,
@@ -163,6 +172,7 @@ pub(crate) fn run(args: RunArgs) -> Result<()> {
         train,
         heldout,
         max_len: args.max_len,
+        vocab,
         compute: parse_device(&args.device)?,
         max_memory_mib: args.max_memory,
         max_micro_batch_pairs: args.micro_batch_pairs.map(|n| n as usize),

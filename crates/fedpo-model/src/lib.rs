@@ -4,7 +4,8 @@
 //! - [`Policy`]: the model with its **shared**, **private** and **frozen** parameter sets
 //!   ([`Partition`]), built from a checkpoint or a seeded random init;
 //! - [`checkpoint`]: HF directories in, adapters and models out, written atomically;
-//! - [`Gpt2Tokenizer`]: the GPT-2 BPE, built offline;
+//! - [`Gpt2Tokenizer`]: the GPT-2 BPE, built offline, optionally renumbered into a
+//!   [`TrimmedVocab`] for simulations;
 //! - [`ops`]: gradient-correct layer norm, softmax and the fused kernels training relies on.
 
 pub mod checkpoint;
@@ -19,6 +20,7 @@ mod params;
 mod policy;
 mod spilled_start;
 pub mod tokenizer;
+mod trimmed_vocab;
 mod weights;
 
 pub use config::{Gpt2Config, GPT2_VOCAB_SIZE};
@@ -30,4 +32,5 @@ pub use params::{Param, ParamKind, ParamRole, ParamStore, Partition, PartitionPr
 pub use policy::{Policy, PolicySpec};
 pub use spilled_start::SpilledStart;
 pub use tokenizer::Gpt2Tokenizer;
+pub use trimmed_vocab::TrimmedVocab;
 pub use weights::TensorSource;

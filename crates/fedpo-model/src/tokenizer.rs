@@ -6,6 +6,7 @@
 
 use std::collections::HashMap;
 use std::path::Path;
+use std::sync::Arc;
 
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::models::bpe::BPE;
@@ -13,6 +14,7 @@ use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::{AddedToken, Tokenizer};
 
 use crate::error::{ModelError, Result};
+use crate::trimmed_vocab::TrimmedVocab;
 
 const ENCODER_JSON: &str = include_str!("../assets/gpt2/encoder.json");
 const VOCAB_BPE: &str = include_str!("../assets/gpt2/vocab.bpe");
@@ -20,11 +22,13 @@ const VOCAB_BPE: &str = include_str!("../assets/gpt2/vocab.bpe");
 /// GPT-2's end-of-text token, also used as padding and as the start of an empty prompt.
 pub const ENDOFTEXT: &str = "<|endoftext|>";
 
-/// A tokenizer plus the id of its end-of-text token.
+/// A tokenizer plus the id of its end-of-text token, optionally renumbered into a
+/// [`TrimmedVocab`].
 #[derive(Clone)]
 pub struct Gpt2Tokenizer {
     inner: Tokenizer,
     eos_id: u32,
+    trimmed: Option<Arc<TrimmedVocab>>,
 }
 
 impl std::fmt::Debug for Gpt2Tokenizer {
@@ -69,31 +73,93 @@ impl Gpt2Tokenizer {
     fn wrap(inner: Tokenizer) -> Result<Self> {
         let eos_id =
             inner.token_to_id(ENDOFTEXT).ok_or_else(|| tok_err(format!("the tokenizer has no `{ENDOFTEXT}` token")))?;
-        Ok(Self { inner, eos_id })
+        Ok(Self { inner, eos_id, trimmed: None })
     }
 
-    /// Token ids of `text`, without special tokens added.
+    /// This tokenizer renumbered into `vocab`: the same segmentation, compact ids.
+    pub fn with_trimmed_vocab(mut self, vocab: Arc<TrimmedVocab>) -> Result<Self> {
+        if self.trimmed.is_some() {
+            return Err(tok_err("the tokenizer is already trimmed"));
+        }
+        if vocab.original(vocab.len() as u32 - 1).is_some_and(|id| id as usize >= self.inner.get_vocab_size(true)) {
+            return Err(tok_err(format!(
+                "the trimmed vocabulary names ids beyond the tokenizer's {}",
+                self.vocab_size()
+            )));
+        }
+        if vocab.compact(self.eos_id).is_none() {
+            return Err(tok_err(format!("the trimmed vocabulary lacks `{ENDOFTEXT}` (id {})", self.eos_id)));
+        }
+        self.trimmed = Some(vocab);
+        Ok(self)
+    }
+
+    /// The trimmed vocabulary of every token in `texts`, plus `<|endoftext|>`.
+    pub fn vocabulary_of<'a>(&self, texts: impl IntoIterator<Item = &'a str>) -> Result<TrimmedVocab> {
+        if self.trimmed.is_some() {
+            return Err(tok_err("the tokenizer is already trimmed"));
+        }
+        let mut ids = Vec::new();
+        for text in texts {
+            ids.extend(self.encode(text)?);
+        }
+        Ok(TrimmedVocab::new(ids, self.eos_id))
+    }
+
+    /// Token ids of `text`, without special tokens added. With a trimmed vocabulary, a
+    /// token outside it is an error that names the token.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        Ok(self.inner.encode(text, false).map_err(tok_err)?.get_ids().to_vec())
+        let ids = self.inner.encode(text, false).map_err(tok_err)?.get_ids().to_vec();
+        let Some(vocab) = &self.trimmed else { return Ok(ids) };
+        ids.into_iter()
+            .map(|id| {
+                vocab.compact(id).ok_or_else(|| {
+                    let token = self.inner.id_to_token(id).unwrap_or_default();
+                    tok_err(format!(
+                        "token `{token}` (GPT-2 id {id}) is not in the trimmed vocabulary of {} tokens",
+                        vocab.len()
+                    ))
+                })
+            })
+            .collect()
     }
 
     /// Text of `ids` (special tokens kept).
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
-        self.inner.decode(ids, false).map_err(tok_err)
+        let Some(vocab) = &self.trimmed else { return self.inner.decode(ids, false).map_err(tok_err) };
+        let full = ids
+            .iter()
+            .map(|&id| {
+                vocab.original(id).ok_or_else(|| tok_err(format!("id {id} is beyond the trimmed {}", vocab.len())))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        self.inner.decode(&full, false).map_err(tok_err)
     }
 
     /// Id of `<|endoftext|>`.
     pub fn eos_id(&self) -> u32 {
-        self.eos_id
+        match &self.trimmed {
+            Some(vocab) => vocab.compact(self.eos_id).expect("checked when trimmed"),
+            None => self.eos_id,
+        }
     }
 
-    /// Vocabulary size including added tokens.
+    /// Vocabulary size including added tokens (the kept tokens once trimmed).
     pub fn vocab_size(&self) -> usize {
-        self.inner.get_vocab_size(true)
+        match &self.trimmed {
+            Some(vocab) => vocab.len(),
+            None => self.inner.get_vocab_size(true),
+        }
     }
 
-    /// Writes an HF `tokenizer.json`, atomically.
+    /// Writes an HF `tokenizer.json`, atomically. A trimmed tokenizer has no such form.
     pub fn save(&self, path: &Path) -> Result<()> {
+        if self.trimmed.is_some() {
+            return Err(tok_err(format!(
+                "{}: a tokenizer with a trimmed vocabulary cannot be written as tokenizer.json",
+                path.display()
+            )));
+        }
         let json = self.inner.to_string(false).map_err(tok_err)?;
         crate::io::write_atomic(path, json.as_bytes())
     }
@@ -153,6 +219,24 @@ mod tests {
         for text in TRICKY {
             assert_eq!(loaded.encode(text).unwrap(), tok.encode(text).unwrap());
         }
+    }
+
+    #[test]
+    fn a_trimmed_tokenizer_segments_like_gpt2_and_refuses_unseen_tokens() {
+        let full = Gpt2Tokenizer::gpt2().unwrap();
+        let text = "Hello, world! Hello again.";
+        let vocab = full.vocabulary_of([text]).unwrap();
+        let trimmed = full.clone().with_trimmed_vocab(Arc::new(vocab.clone())).unwrap();
+        let ids = trimmed.encode(text).unwrap();
+        let back: Vec<u32> = ids.iter().map(|&i| vocab.original(i).unwrap()).collect();
+        assert_eq!(back, full.encode(text).unwrap());
+        assert!(ids.iter().all(|&i| (i as usize) < trimmed.vocab_size()));
+        assert_eq!(trimmed.vocab_size(), vocab.len());
+        assert_eq!(trimmed.decode(&ids).unwrap(), text);
+        assert_eq!(vocab.original(trimmed.eos_id()), Some(50256));
+        let err = trimmed.encode("zebra").unwrap_err().to_string();
+        assert!(err.contains("`z` (GPT-2 id 89)") && err.contains("not in the trimmed vocabulary"), "{err}");
+        assert!(trimmed.save(Path::new("/tmp/never.json")).is_err());
     }
 
     #[test]

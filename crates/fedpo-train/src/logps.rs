@@ -81,7 +81,11 @@ impl Grid {
     /// sequences cost the model less than the rows ([`layout_cost`]). Padding repeats a
     /// sequence's last token: no real token attends to it and none is scored, so any valid
     /// id does.
-    fn forked(batch: &PairBatch, n_embd: usize) -> Option<Self> {
+    ///
+    /// A pair's padding takes positions past its rejected response; a layout whose padding
+    /// would need positions the model lacks (`n_positions`) is not taken, so that packing
+    /// never refuses a batch whose rows fit.
+    fn forked(batch: &PairBatch, n_embd: usize, n_positions: usize) -> Option<Self> {
         let (p, t) = (batch.pairs, batch.seq_len);
         let row = |r: usize| &batch.input_ids[r * t..(r + 1) * t];
         let same_prompt = (0..p).all(|i| {
@@ -90,7 +94,9 @@ impl Grid {
         });
         let lens = |i: usize| (batch.prompt_lens[i], batch.response_lens[i], batch.response_lens[p + i]);
         let width = (0..p).map(|i| lens(i).0 + lens(i).1 + lens(i).2).max()?;
-        if !same_prompt || layout_cost(p, width, n_embd) >= layout_cost(2 * p, t, n_embd) {
+        // Branch two sits `chosen` tokens later in the row than its positions say.
+        let fits = (0..p).all(|i| width - lens(i).1 <= n_positions);
+        if !same_prompt || !fits || layout_cost(p, width, n_embd) >= layout_cost(2 * p, t, n_embd) {
             return None;
         }
         let mut ids = Vec::with_capacity(p * width);
@@ -130,12 +136,13 @@ impl BatchTensors {
     /// Moves a batch onto the policy's device, building the index tensors; pairs share
     /// their prompt where [`shares_prompts`] and it saves work.
     pub fn new(batch: &PairBatch, policy: &Policy) -> Result<Self> {
-        Self::for_width(batch, policy.spec.config.n_embd, policy.model_dtype(), &policy.model_device())
+        let config = &policy.spec.config;
+        Self::for_width(batch, (config.n_embd, config.n_positions), policy.model_dtype(), &policy.model_device())
     }
 
-    /// [`BatchTensors::new`] for a model `n_embd` wide, in `dtype` on `device`.
-    pub fn for_width(batch: &PairBatch, n_embd: usize, dtype: DType, device: &Device) -> Result<Self> {
-        let grid = shares_prompts().then(|| Grid::forked(batch, n_embd)).flatten();
+    /// [`BatchTensors::new`] for a model of `(n_embd, n_positions)`, in `dtype` on `device`.
+    pub fn for_width(batch: &PairBatch, shape: (usize, usize), dtype: DType, device: &Device) -> Result<Self> {
+        let grid = shares_prompts().then(|| Grid::forked(batch, shape.0, shape.1)).flatten();
         Self::from_grid(batch, grid.unwrap_or_else(|| Grid::rows(batch)), dtype, device)
     }
 

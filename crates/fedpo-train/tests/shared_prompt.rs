@@ -103,7 +103,7 @@ fn rows_that_do_not_share_their_prompt_run_as_rows() {
     // the rejected row of pair 0 gets another first prompt token
     let t = batch.seq_len;
     batch.input_ids[2 * t] = (batch.input_ids[2 * t] + 1) % 63;
-    let tensors = BatchTensors::for_width(&batch, 16, DType::F32, &Device::Cpu).unwrap();
+    let tensors = BatchTensors::for_width(&batch, (16, 1024), DType::F32, &Device::Cpu).unwrap();
     assert!(tensors.forks.is_none());
     assert_eq!(tensors.grid().unwrap(), (4, t));
 }
@@ -114,12 +114,30 @@ fn short_prompts_with_long_responses_run_as_rows_where_forking_would_cost_more()
     // a 1 + 300 + 300 sequence attends over twice as many keys as 1 + 300: rows are cheaper
     let pair = TokenizedPair { prompt: vec![1], chosen: vec![2; 300], rejected: vec![3; 300] };
     let batch = collate(&[&pair], 0);
-    let long = BatchTensors::for_width(&batch, 768, DType::F32, &Device::Cpu).unwrap();
+    let long = BatchTensors::for_width(&batch, (768, 1024), DType::F32, &Device::Cpu).unwrap();
     assert!(long.forks.is_none());
     assert_eq!(long.grid().unwrap(), (2, 301));
     // a long prompt with the same responses forks
     let pair = TokenizedPair { prompt: vec![1; 300], chosen: vec![2; 300], rejected: vec![3; 300] };
-    let forked = BatchTensors::for_width(&collate(&[&pair], 0), 768, DType::F32, &Device::Cpu).unwrap();
+    let forked = BatchTensors::for_width(&collate(&[&pair], 0), (768, 1024), DType::F32, &Device::Cpu).unwrap();
     assert!(!forked.forks.is_none());
     assert_eq!(forked.grid().unwrap(), (1, 900));
+}
+
+#[test]
+fn a_batch_whose_rows_fit_the_positions_is_scored_even_where_forked_padding_would_not_fit() {
+    let policy = small_policy(PartitionPreset::Feddpo, DType::F32);
+    let long = TokenizedPair { prompt: vec![5; 10], chosen: vec![6; 15], rejected: vec![7; 15] };
+    let short = TokenizedPair { prompt: vec![5; 2], chosen: vec![6; 1], rejected: vec![7; 1] };
+    // Each row fits in 32 positions (10 + 15 and 2 + 1); forked, the grid is 40 wide and
+    // pair 1's padding would sit at positions up to 40 − 1 − 1 = 38.
+    let batch = collate(&[&long, &short], 0);
+    let tensors = BatchTensors::for_width(&batch, (16, 32), DType::F32, &Device::Cpu).unwrap();
+    assert!(tensors.forks.is_none(), "the forked layout would need 39 positions of 32");
+    let logps = sequence_logps(&policy, &tensors).unwrap().to_vec1::<f32>().unwrap();
+    assert_eq!(logps.len(), 4);
+    assert!(logps.iter().all(|v| v.is_finite()));
+    // With room for the padding the same batch forks.
+    let roomy = BatchTensors::for_width(&batch, (16, 1024), DType::F32, &Device::Cpu).unwrap();
+    assert!(!roomy.forks.is_none());
 }

@@ -32,9 +32,8 @@ fn received(link: &MqttLink, within: Duration) -> Vec<String> {
     let mut topics = Vec::new();
     let deadline = Instant::now() + within;
     while let Some(left) = deadline.checked_duration_since(Instant::now()) {
-        match link.recv_timeout(left.min(Duration::from_millis(100))).unwrap() {
-            Some(LinkEvent::Message(d)) => topics.push(d.topic),
-            _ => {}
+        if let Some(LinkEvent::Message(d)) = link.recv_timeout(left.min(Duration::from_millis(100))).unwrap() {
+            topics.push(d.topic);
         }
     }
     topics

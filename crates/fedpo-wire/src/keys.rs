@@ -19,6 +19,8 @@ pub const FEDGA_WEIGHT_PREFIX: &str = "fedga.w.";
 /// 1: devices upload their full local gradient at the received model
 /// ([`DIAGNOSTIC_GRADIENT`]).
 pub const DIAGNOSTICS: &str = "diagnostics";
+/// 0: a training round whose devices skip the held-out evaluation (absent: evaluate).
+pub const HELDOUT_EVAL: &str = "heldout_eval";
 
 /// Plan section: SCAFFOLD's server control variate `c`.
 pub const SCAFFOLD_CONTROL: &str = "scaffold.control";

@@ -163,6 +163,7 @@ pub fn participant_config(
     max_len: usize,
 ) -> ParticipantConfig {
     ParticipantConfig {
+        vocab: None,
         broker: url.clone(),
         tls: Default::default(),
         job: job.into(),

@@ -50,7 +50,7 @@ impl DrawnPersona {
             return Err(DataError::Invalid(format!("heterogeneity must be in [0, 1], got {h}")));
         }
         let shared = normals(&mut StdRng::seed_from_u64(seed ^ 0x5348_4152_4544));
-        let own = normals(&mut StdRng::seed_from_u64(super::device_stream(seed, id) ^ 0x4F57_4E));
+        let own = normals(&mut StdRng::seed_from_u64(super::device_stream(seed, id) ^ 0x004F_574E));
         Ok(Self { id, weights: std::array::from_fn(|a| (1.0 - h) * shared[a] + h * own[a]) })
     }
 
