@@ -134,13 +134,14 @@ impl Server {
 
 fn print_round(r: &RoundRecord, rounds: u64) {
     let label = if r.evaluation { "final eval".to_string() } else { format!("round {:>3}/{rounds}", r.round) };
+    // Rounds that did not measure held-out accuracy (--heldout-every) show a dash, not 0.
+    let heldout = if r.heldout_acc.is_empty() { "    -".to_string() } else { format!("{:.3}", mean(&r.heldout_acc)) };
     println!(
-        "{label}  devices {}/{}  loss {:.4}  train acc {:.3}  held-out acc {:.3}  |g| {:.4}  up {:.1} MB  down {:.1} MB  {:.1} s",
+        "{label}  devices {}/{}  loss {:.4}  train acc {:.3}  held-out acc {heldout}  |g| {:.4}  up {:.1} MB  down {:.1} MB  {:.1} s",
         r.participants.len(),
         r.selected.len(),
         r.train_loss,
         mean(&r.reward_acc),
-        mean(&r.heldout_acc),
         r.grad_norm,
         r.bytes_up as f64 / 1e6,
         r.bytes_down as f64 / 1e6,
