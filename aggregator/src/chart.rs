@@ -102,7 +102,7 @@ fn tick(x: f64, integer_x: bool) -> String {
     if integer_x {
         return if (x - x.round()).abs() < 1e-6 { format!("{}", x.round()) } else { String::new() };
     }
-    let s = format!("{x:.2}");
+    let s = format!("{:.2}", x + 0.0); // + 0.0 turns −0 into 0
     s.trim_end_matches('0').trim_end_matches('.').to_string()
 }
 
@@ -147,8 +147,8 @@ impl Chart {
             (y_min, y_max) = (y_min.min(r.y), y_max.max(r.y));
         }
         let pad = ((y_max - y_min) * 0.06).max(1e-3);
-        let x_pad = ((x_max - x_min) * 0.02).max(0.5);
         let integer_x = points.iter().all(|p| p.0.fract() == 0.0);
+        let x_pad = if integer_x { 0.5 } else { ((x_max - x_min) * 0.04).max(1e-3) };
         let err = |e: &dyn std::fmt::Display| anyhow!("plotting {}: {e}", path.display());
 
         let root = BitMapBackend::new(path, SIZE).into_drawing_area();

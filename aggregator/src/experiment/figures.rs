@@ -52,7 +52,8 @@ const METRICS: [Metric; 5] = [
         file: "heldout",
         title: "held-out reward accuracy",
         y_label: "held-out accuracy (fraction of pairs, mean over devices)",
-        value: |r| (!r.heldout_acc.is_empty()).then(|| mean(&r.heldout_acc)),
+        // Round 1 starts from the reference itself, where every accuracy is 0 by definition.
+        value: |r| (r.round > 1 && !r.heldout_acc.is_empty()).then(|| mean(&r.heldout_acc)),
         ceiling: true,
     },
     Metric {
@@ -188,7 +189,8 @@ pub(crate) fn write_figures(dir: &Path, runs: &[RunResult]) -> Result<Vec<PathBu
                         let c = mean_std(&ceilings).0;
                         references.push(Reference { label: format!("{d}'s Bayes ceiling {c:.3}"), y: c, color });
                     }
-                    Series::new(k, d.clone(), per_round(members, &|r: &RoundRecord| r.heldout_acc.get(d).copied()))
+                    let acc = |r: &RoundRecord| r.heldout_acc.get(d).copied().filter(|_| r.round > 1);
+                    Series::new(k, d.clone(), per_round(members, &acc))
                 })
                 .collect();
             let chart = Chart {
