@@ -22,7 +22,7 @@ struct Metric {
     title: &'static str,
     y_label: &'static str,
     value: fn(&RoundRecord) -> Option<f64>,
-    /// Draw the cells' Bayes ceilings.
+    /// Draw the cells' Bayes ceilings, and end with the closing evaluation's value.
     ceiling: bool,
 }
 
@@ -54,6 +54,7 @@ const METRICS: [Metric; 5] = [
         y_label: "held-out accuracy (fraction of pairs, mean over devices)",
         // Round 1 starts from the reference itself, where every accuracy is 0 by definition.
         value: |r| (r.round > 1 && !r.heldout_acc.is_empty()).then(|| mean(&r.heldout_acc)),
+        // The closing evaluation is the last point: the final model's accuracy.
         ceiling: true,
     },
     Metric {
@@ -153,7 +154,9 @@ pub(crate) fn write_figures(dir: &Path, runs: &[RunResult]) -> Result<Vec<PathBu
             let series: Vec<Series> = cells
                 .iter()
                 .enumerate()
-                .map(|(k, (label, members))| Series::new(k, label.clone(), per_round(members, &metric.value)))
+                .map(|(k, (label, members))| {
+                    Series::new(k, label.clone(), per_round(members, &metric.value, metric.ceiling))
+                })
                 .filter(|s| !s.points.is_empty())
                 .collect();
             if series.is_empty() {
@@ -190,7 +193,7 @@ pub(crate) fn write_figures(dir: &Path, runs: &[RunResult]) -> Result<Vec<PathBu
                         references.push(Reference { label: format!("{d}'s Bayes ceiling {c:.3}"), y: c, color });
                     }
                     let acc = |r: &RoundRecord| r.heldout_acc.get(d).copied().filter(|_| r.round > 1);
-                    Series::new(k, d.clone(), per_round(members, &acc))
+                    Series::new(k, d.clone(), per_round(members, &acc, true))
                 })
                 .collect();
             let chart = Chart {

@@ -235,10 +235,15 @@ pub(crate) fn write_summary(out: &Path, cells: &[CellSummary]) -> Result<String>
 }
 
 /// Per round, mean ± std over a cell's seeds of `f`.
-pub(crate) fn per_round(members: &[&RunResult], f: &dyn Fn(&RoundRecord) -> Option<f64>) -> Vec<(f64, f64, f64)> {
+/// With `evaluation`, the closing evaluation round is the last point.
+pub(crate) fn per_round(
+    members: &[&RunResult],
+    f: &dyn Fn(&RoundRecord) -> Option<f64>,
+    evaluation: bool,
+) -> Vec<(f64, f64, f64)> {
     let mut by_round: BTreeMap<u64, Vec<f64>> = BTreeMap::new();
     for run in members {
-        for r in run.training() {
+        for r in run.records.iter().filter(|r| evaluation || !r.evaluation) {
             if let Some(v) = f(r) {
                 by_round.entry(r.round).or_default().push(v);
             }
