@@ -360,12 +360,15 @@ pub(crate) fn run(args: SimulateArgs) -> Result<Summary> {
     let shards = args.shards()?;
     let vocab = if args.trim_vocab {
         let vocab = trim_vocab(&shards, &args.out)?;
+        // The preset's position table shrinks to the pairs' length, never grows.
+        let positions =
+            fedpo_model::Gpt2Config::preset(&job.model).map_or(args.max_len, |c| args.max_len.min(c.n_positions));
         println!(
             "--trim-vocab: the fleet's pairs use {} of GPT-2's {GPT2_VOCAB_SIZE} tokens; the model keeps those ({}) \
              and {} positions",
             vocab.len(),
             args.out.join(VOCAB_FILE).display(),
-            args.max_len
+            positions
         );
         job.trimmed = Some((vocab.len(), args.max_len));
         Some(Arc::new(vocab))

@@ -119,7 +119,6 @@ fn ceiling_lines(cells: &[(String, Vec<&RunResult>)]) -> Vec<Reference> {
         })
         .collect();
     let mut distinct: Vec<f64> = values.iter().map(|v| (v.1 * 1000.0).round() / 1000.0).collect();
-    distinct.dedup();
     distinct.sort_by(f64::total_cmp);
     distinct.dedup();
     for (k, value) in distinct.iter().enumerate() {

@@ -15,8 +15,8 @@ use fedpo_data::{fingerprint, tokenize_pairs, PreferencePair, TokenizedPair};
 use fedpo_model::Gpt2Tokenizer;
 use fedpo_transport::{BrokerUrl, LinkEvent, LinkOptions, MqttLink, TlsFiles, Topics, WarnThrottle};
 use fedpo_wire::{
-    Bundle, BundleBytes, BundleProgress, DeviceBye, DeviceHello, EncodedPayload, Limits, Message, RoundDeclined,
-    RoundPlan, TensorPayload, TrustedKey, WireDType, DEFAULT_CHUNK_BYTES,
+    Bundle, BundleProgress, DeviceBye, DeviceHello, EncodedPayload, Limits, Message, RoundDeclined, RoundPlan,
+    TensorPayload, TrustedKey, WireDType, DEFAULT_CHUNK_BYTES,
 };
 use thiserror::Error;
 
@@ -33,7 +33,7 @@ mod upload;
 
 pub use slots::{Slot, TrainingSlots};
 
-use download::check_download;
+use download::{receive, Received};
 use upload::publish_update;
 
 /// Why a participant stopped.
@@ -164,6 +164,9 @@ struct Participant {
     cfg: ParticipantConfig,
     topics: Topics,
     state: StateDir,
+    /// Where a device that takes turns to train keeps each round's model until its turn;
+    /// `None`: a device alone in its process receives the model in memory.
+    incoming: Option<PathBuf>,
     link: MqttLink,
     train: Vec<TokenizedPair>,
     heldout: Vec<TokenizedPair>,
@@ -225,6 +228,7 @@ pub fn run(cfg: ParticipantConfig) -> Result<ParticipantSummary, ParticipantErro
         .chain((!heldout.is_empty()).then(|| ("ref_heldout.json", fingerprint(&heldout))))
         .collect();
     state.check(cfg.reset_adapter, &references)?;
+    let incoming = cfg.training_slots.is_some().then(|| state.fresh_incoming()).transpose()?;
     let mut opts = LinkOptions::new(format!("fedpo-{}-{}", cfg.job, cfg.id));
     opts.tls = cfg.tls.clone();
     let instance = rand::random::<u64>().max(1);
@@ -244,6 +248,7 @@ pub fn run(cfg: ParticipantConfig) -> Result<ParticipantSummary, ParticipantErro
         cfg,
         topics,
         state,
+        incoming,
         link,
         train,
         heldout,
@@ -455,10 +460,7 @@ impl Participant {
                     }
                     // Whoever can publish on the down topic can announce any size: a plan
                     // is followed only for a transfer its own model spec accounts for.
-                    let bundle = check_download(&plan).and_then(|()| {
-                        Bundle::new(plan.global_model.clone(), &plan.sections, &self.limits).map_err(|e| e.to_string())
-                    });
-                    let bundle = match bundle {
+                    let bundle = match receive(&plan, &self.limits, self.incoming.as_deref()) {
                         Ok(b) => b,
                         Err(why) => {
                             tracing::warn!(round = plan.round, "ignoring a plan whose transfers do not fit it: {why}");
@@ -474,28 +476,30 @@ impl Participant {
                 }
                 Message::Chunk(chunk) => {
                     let Some((_, bundle, _)) = pending.as_mut() else { continue };
-                    match bundle.accept(chunk) {
-                        Ok(BundleProgress::Complete(bytes)) => {
-                            let (plan, _, since) = pending.take().expect("pending plan");
-                            tracing::debug!(
-                                round = plan.round,
-                                seconds = format_args!("{:.3}", since.elapsed().as_secs_f64()),
-                                "model received"
-                            );
-                            self.summary.bytes_down +=
-                                (bytes.main.len() + bytes.sections.values().map(|b| b.len()).sum::<usize>()) as u64;
-                            // A round that cannot run (a model that does not fit, a
-                            // non-finite loss) costs this round only: the device stays
-                            // in the job and the aggregator's deadline moves on.
-                            if let Err(e) = self.round(&plan, bytes) {
-                                tracing::error!(round = plan.round, error = %e, "round failed; waiting for the next plan");
-                                self.decline(plan.round, &e.to_string())?;
-                            }
-                        }
-                        Ok(_) => {}
+                    let received = match bundle.accept(chunk) {
+                        Ok(BundleProgress::Complete(bytes)) => Some(Received::Bytes(bytes)),
+                        Ok(BundleProgress::Kept(kept)) => Some(Received::Kept(kept)),
+                        Ok(_) => None,
                         Err(e) => {
                             tracing::warn!(error = %e, "global model transfer failed; asking again");
                             self.hello()?;
+                            None
+                        }
+                    };
+                    if let Some(received) = received {
+                        let (plan, _, since) = pending.take().expect("pending plan");
+                        tracing::debug!(
+                            round = plan.round,
+                            seconds = format_args!("{:.3}", since.elapsed().as_secs_f64()),
+                            "model received"
+                        );
+                        self.summary.bytes_down += received.len();
+                        // A round that cannot run (a model that does not fit, a
+                        // non-finite loss) costs this round only: the device stays
+                        // in the job and the aggregator's deadline moves on.
+                        if let Err(e) = self.round(&plan, received) {
+                            tracing::error!(round = plan.round, error = %e, "round failed; waiting for the next plan");
+                            self.decline(plan.round, &e.to_string())?;
                         }
                     }
                 }
@@ -519,7 +523,7 @@ impl Participant {
         }
     }
 
-    fn round(&mut self, plan: &RoundPlan, bytes: BundleBytes) -> Result<(), ParticipantError> {
+    fn round(&mut self, plan: &RoundPlan, received: Received) -> Result<(), ParticipantError> {
         let span = tracing::info_span!("round", round = plan.round);
         let _enter = span.enter();
         let slots = self.cfg.training_slots.clone();
@@ -529,6 +533,8 @@ impl Participant {
             tracing::debug!(seconds = format_args!("{:.1}", waited.elapsed().as_secs_f64()), "training slot");
             slot
         });
+        // Read only now: a device waiting for its turn holds the model on disk.
+        let bytes = received.into_bytes()?;
         let mut progress = self.state.progress()?;
         if progress.reference_model.is_none() {
             // This model becomes the reference: keep it, to rebuild the reference

@@ -17,6 +17,9 @@
 //! - `round-start.f32`: while a round trains with its starting model on disk
 //!   ([`fedpo_model::SpilledStart`]), that model's shared tensors; removed once the update
 //!   is formed. It is scratch: a crash mid-round retrains the round and overwrites it.
+//! - `incoming/`: where a device that takes turns with others in one process
+//!   (`simulate`) keeps the round's model while it waits for its turn
+//!   ([`fedpo_wire::Bundle::kept`]). Scratch: emptied when the device starts.
 //!
 //! Every file is written atomically (temp file, fsync, rename), but `last_update.cbor`,
 //! which `progress.json` vouches for (see [`StateDir::save_last_update`]), and the scratch
@@ -81,6 +84,16 @@ impl StateDir {
 
     pub(crate) fn path(&self, name: &str) -> PathBuf {
         self.root.join(name)
+    }
+
+    /// `incoming/`, created and emptied of what an earlier process left there.
+    pub(crate) fn fresh_incoming(&self) -> Result<PathBuf, ParticipantError> {
+        let dir = self.path("incoming");
+        if dir.exists() {
+            std::fs::remove_dir_all(&dir).map_err(|e| io_err(&dir, e))?;
+        }
+        std::fs::create_dir_all(&dir).map_err(|e| io_err(&dir, e))?;
+        Ok(dir)
     }
 
     pub(crate) fn adapter_path(&self) -> PathBuf {

@@ -13,6 +13,7 @@ use bytes::Bytes;
 
 use crate::chunk::{Progress, Reassembler};
 use crate::error::{Result, WireError};
+use crate::kept::{KeptBundle, KeptTransfer};
 use crate::limits::Limits;
 use crate::message::{Manifest, TransferChunk};
 
@@ -40,14 +41,22 @@ pub enum BundleProgress {
     Duplicate,
     /// Every transfer is complete and verified.
     Complete(BundleBytes),
+    /// Every transfer of a [`Bundle::kept`] is complete, verified, and waits on disk.
+    Kept(KeptBundle),
 }
 
 /// Collects a main transfer and its named sections.
 pub struct Bundle {
     main: Reassembler,
     sections: BTreeMap<String, Reassembler>,
-    done: BTreeMap<String, Bytes>,
-    main_done: Option<Bytes>,
+    done: BTreeMap<String, Done>,
+    main_done: Option<Done>,
+}
+
+/// A transfer of the bundle that is complete.
+enum Done {
+    Bytes(Bytes),
+    Kept(KeptTransfer),
 }
 
 /// Checks a message's section table: bounded, named within limits, ids distinct.
@@ -88,12 +97,28 @@ impl Bundle {
 
     /// Like [`Bundle::new`], with every transfer's chunks spooled to files under `dir`.
     pub fn spooled(main: Manifest, sections: &BTreeMap<String, Manifest>, limits: &Limits, dir: &Path) -> Result<Self> {
+        Self::on_disk(main, sections, limits, dir, Reassembler::spooled)
+    }
+
+    /// Like [`Bundle::spooled`], and the complete bundle stays in its files:
+    /// [`BundleProgress::Kept`] hands them over, verified, to be read when wanted.
+    pub fn kept(main: Manifest, sections: &BTreeMap<String, Manifest>, limits: &Limits, dir: &Path) -> Result<Self> {
+        Self::on_disk(main, sections, limits, dir, Reassembler::kept)
+    }
+
+    fn on_disk(
+        main: Manifest,
+        sections: &BTreeMap<String, Manifest>,
+        limits: &Limits,
+        dir: &Path,
+        reassembler: fn(Manifest, &Limits, &Path) -> Result<Reassembler>,
+    ) -> Result<Self> {
         check_sections(&main, sections, limits)?;
         let sections = sections
             .iter()
-            .map(|(name, m)| Ok((name.clone(), Reassembler::spooled(m.clone(), limits, dir)?)))
+            .map(|(name, m)| Ok((name.clone(), reassembler(m.clone(), limits, dir)?)))
             .collect::<Result<_>>()?;
-        let main = Reassembler::spooled(main, limits, dir)?;
+        let main = reassembler(main, limits, dir)?;
         Ok(Self { main, sections, done: BTreeMap::new(), main_done: None })
     }
 
@@ -118,21 +143,46 @@ impl Bundle {
         } else {
             return Ok(BundleProgress::Foreign);
         };
-        match progress {
+        let done = match progress {
             Progress::Duplicate => return Ok(BundleProgress::Duplicate),
             Progress::Accepted { .. } => return Ok(BundleProgress::Accepted),
-            Progress::Complete(bytes) => match section {
-                Some(name) => {
-                    self.done.insert(name, bytes.into());
-                }
-                None => self.main_done = Some(bytes.into()),
-            },
+            Progress::Complete(bytes) => Done::Bytes(bytes.into()),
+            Progress::Kept(kept) => Done::Kept(kept),
+        };
+        match section {
+            Some(name) => {
+                self.done.insert(name, done);
+            }
+            None => self.main_done = Some(done),
         }
-        if self.main_done.is_some() && self.done.len() == self.sections.len() {
-            let main = self.main_done.take().unwrap_or_default();
-            return Ok(BundleProgress::Complete(BundleBytes { main, sections: std::mem::take(&mut self.done) }));
+        if self.main_done.is_none() || self.done.len() < self.sections.len() {
+            return Ok(BundleProgress::Accepted);
         }
-        Ok(BundleProgress::Accepted)
+        let main = self.main_done.take().expect("main transfer done");
+        let sections = std::mem::take(&mut self.done);
+        // Every transfer of a bundle is reassembled alike, so all are bytes or all are kept.
+        Ok(match main {
+            Done::Bytes(main) => BundleProgress::Complete(BundleBytes {
+                main,
+                sections: sections
+                    .into_iter()
+                    .map(|(name, d)| match d {
+                        Done::Bytes(b) => (name, b),
+                        Done::Kept(_) => unreachable!("a bundle's transfers are reassembled alike"),
+                    })
+                    .collect(),
+            }),
+            Done::Kept(main) => BundleProgress::Kept(KeptBundle {
+                main,
+                sections: sections
+                    .into_iter()
+                    .map(|(name, d)| match d {
+                        Done::Kept(k) => (name, k),
+                        Done::Bytes(_) => unreachable!("a bundle's transfers are reassembled alike"),
+                    })
+                    .collect(),
+            }),
+        })
     }
 }
 

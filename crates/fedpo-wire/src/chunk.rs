@@ -6,10 +6,12 @@
 //! only when their digest matches.
 
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::digest::{digest, Hasher};
 use crate::encoded::EncodedPayload;
 use crate::error::{Result, WireError};
+use crate::kept::KeptTransfer;
 use crate::limits::Limits;
 use crate::message::{Manifest, TransferChunk};
 use crate::parts::Parts;
@@ -32,6 +34,9 @@ pub enum Progress {
     Duplicate,
     /// The last chunk: the verified payload bytes.
     Complete(Vec<u8>),
+    /// The last chunk of a transfer kept on disk ([`Reassembler::kept`]): verified, and
+    /// still in its file.
+    Kept(KeptTransfer),
 }
 
 /// Collects the chunks of one transfer.
@@ -41,6 +46,8 @@ pub struct Reassembler {
     received: u32,
     bytes_so_far: u64,
     done: bool,
+    /// Hand the complete transfer over in its spool file rather than read into memory.
+    keep: bool,
     /// Digest of the chunks so far while they arrive in order (as one MQTT connection
     /// delivers them), so the last chunk needs no pass over the whole transfer; `None`
     /// once one came out of order, and the hash is then taken at the end.
@@ -59,13 +66,33 @@ impl Reassembler {
     /// the reassembler is dropped) rather than in memory.
     pub fn spooled(manifest: Manifest, limits: &Limits, dir: &Path) -> Result<Self> {
         manifest.validate(limits)?;
-        let name = format!("{}.part", hex::encode(&digest(manifest.transfer.as_bytes())[..12]));
+        // Numbered, since a kept transfer's file outlives its reassembler and another may
+        // be started for the same transfer id.
+        static SPOOLED: AtomicU64 = AtomicU64::new(0);
+        let n = SPOOLED.fetch_add(1, Ordering::Relaxed);
+        let name = format!("{}-{n}.part", hex::encode(&digest(manifest.transfer.as_bytes())[..12]));
         let parts = Parts::spool(dir.join(name), manifest.chunks as usize)?;
         Ok(Self::with_parts(manifest, parts))
     }
 
+    /// Like [`Reassembler::spooled`], and the complete transfer stays in its file: the last
+    /// chunk yields [`Progress::Kept`], verified, and the bytes are read when wanted. A
+    /// device that must wait its turn to train holds the model it downloaded on disk, not
+    /// in memory.
+    pub fn kept(manifest: Manifest, limits: &Limits, dir: &Path) -> Result<Self> {
+        Ok(Self { keep: true, ..Self::spooled(manifest, limits, dir)? })
+    }
+
     fn with_parts(manifest: Manifest, parts: Parts) -> Self {
-        Self { manifest, parts, received: 0, bytes_so_far: 0, done: false, in_order: Some((Hasher::default(), 0)) }
+        Self {
+            manifest,
+            parts,
+            received: 0,
+            bytes_so_far: 0,
+            done: false,
+            keep: false,
+            in_order: Some((Hasher::default(), 0)),
+        }
     }
 
     /// The manifest being assembled.
@@ -110,13 +137,28 @@ impl Reassembler {
         if self.received < self.manifest.chunks {
             return Ok(Progress::Accepted { received: self.received });
         }
+        if self.keep {
+            let found = match self.in_order.take() {
+                Some((hasher, _)) => hasher.finish(),
+                None => self.parts.digest()?,
+            };
+            self.check(found)?;
+            let file = self.parts.take_spool().expect("a kept transfer is spooled");
+            return Ok(Progress::Kept(KeptTransfer::new(&self.manifest, file)));
+        }
         let bytes = self.parts.take_all(self.manifest.bytes as usize)?;
         let found = match self.in_order.take() {
             Some((hasher, _)) => hasher.finish(),
             None => digest(&bytes),
         };
-        if found != self.manifest.digest || bytes.len() as u64 != self.manifest.bytes {
-            // Start over: a corrupted chunk means the transfer must be sent again.
+        self.check(found)?;
+        Ok(Progress::Complete(bytes))
+    }
+
+    /// Checks a complete transfer's digest against the manifest's. On a mismatch the
+    /// transfer starts over: a corrupted chunk means it must be sent again.
+    fn check(&mut self, found: Vec<u8>) -> Result<()> {
+        if found != self.manifest.digest || self.bytes_so_far != self.manifest.bytes {
             self.parts.clear()?;
             self.received = 0;
             self.bytes_so_far = 0;
@@ -128,6 +170,6 @@ impl Reassembler {
             });
         }
         self.done = true;
-        Ok(Progress::Complete(bytes))
+        Ok(())
     }
 }

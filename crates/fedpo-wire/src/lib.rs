@@ -15,6 +15,7 @@ pub mod device_tag;
 mod digest;
 mod encoded;
 mod error;
+mod kept;
 pub mod keys;
 mod limits;
 mod message;
@@ -30,6 +31,7 @@ pub use codec::{Residual, UpdateCodec, INT8_BLOCK};
 pub use digest::{digest, DIGEST_BYTES};
 pub use encoded::EncodedPayload;
 pub use error::{Result, WireError};
+pub use kept::{KeptBundle, KeptTransfer};
 pub use limits::{Limits, DEFAULT_CHUNK_BYTES, MAX_ROUND};
 pub use message::{
     DeviceBye, DeviceHello, Hyperparameters, Manifest, Message, RoundDeclined, RoundPlan, RoundResult, TensorInfo,

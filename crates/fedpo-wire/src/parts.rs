@@ -4,7 +4,8 @@
 //! have an update in flight from every device at once (a thousand devices upload
 //! together), and holding them all would make its memory grow with the fleet; spooled,
 //! each waiting chunk costs a few bytes of bookkeeping, and only the transfer being
-//! verified and folded is in memory.
+//! verified and folded is in memory. A device that waits its turn to train keeps the
+//! model it downloaded in its spool file ([`crate::KeptTransfer`]) until the turn comes.
 
 use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions};
@@ -13,6 +14,7 @@ use std::path::{Path, PathBuf};
 
 use bytes::Bytes;
 
+use crate::digest::Hasher;
 use crate::error::{Result, WireError};
 
 /// The chunks received so far, by index.
@@ -25,6 +27,7 @@ pub(crate) enum Parts {
 /// chunk is appended to the payload and freed at once, and the complete payload needs no
 /// second, model-sized copy to join it. A chunk that arrives early waits until those
 /// before it are in.
+#[derive(Default)]
 pub(crate) struct MemoryParts {
     joined: Vec<u8>,
     /// Chunks joined so far: indices below this one.
@@ -112,17 +115,32 @@ impl Parts {
                 Ok(std::mem::take(&mut m.joined))
             }
             Self::Spool(s) => {
-                let mut bytes = Vec::with_capacity(total);
-                for (offset, len) in s.at.iter().flatten() {
-                    let start = bytes.len();
-                    bytes.resize(start + len, 0);
-                    s.file.seek(SeekFrom::Start(*offset)).map_err(|e| spool_err(&s.path, e))?;
-                    s.file.read_exact(&mut bytes[start..]).map_err(|e| spool_err(&s.path, e))?;
-                }
+                let bytes = s.read_all(total)?;
                 s.at.iter_mut().for_each(|a| *a = None);
                 s.end = 0;
                 s.file.set_len(0).map_err(|e| spool_err(&s.path, e))?;
                 Ok(bytes)
+            }
+        }
+    }
+
+    /// The digest of every chunk in index order, read back from the spool file one chunk
+    /// at a time.
+    pub(crate) fn digest(&mut self) -> Result<Vec<u8>> {
+        match self {
+            Self::Memory(m) => Ok(crate::digest::digest(&m.joined)),
+            Self::Spool(s) => s.digest(),
+        }
+    }
+
+    /// The spool file, for a transfer that stays on disk once complete; the parts are left
+    /// empty. `None` for chunks held in memory.
+    pub(crate) fn take_spool(&mut self) -> Option<SpoolFile> {
+        match std::mem::replace(self, Self::Memory(MemoryParts::default())) {
+            Self::Spool(s) => Some(s),
+            memory => {
+                *self = memory;
+                None
             }
         }
     }
@@ -142,6 +160,39 @@ impl Parts {
             }
         }
         Ok(())
+    }
+}
+
+impl SpoolFile {
+    /// Every chunk in index order, as one buffer of `total` bytes.
+    pub(crate) fn read_all(&mut self, total: usize) -> Result<Vec<u8>> {
+        let mut bytes = Vec::with_capacity(total);
+        for (offset, len) in self.at.iter().flatten() {
+            let start = bytes.len();
+            bytes.resize(start + len, 0);
+            self.file.seek(SeekFrom::Start(*offset)).map_err(|e| spool_err(&self.path, e))?;
+            self.file.read_exact(&mut bytes[start..]).map_err(|e| spool_err(&self.path, e))?;
+        }
+        Ok(bytes)
+    }
+
+    /// The digest of the chunks in index order, read back one chunk at a time, so that
+    /// checking a transfer never holds more of it than its largest chunk.
+    pub(crate) fn digest(&mut self) -> Result<Vec<u8>> {
+        let mut hasher = Hasher::default();
+        let mut buffer = Vec::new();
+        for (offset, len) in self.at.iter().flatten() {
+            buffer.resize(*len, 0);
+            self.file.seek(SeekFrom::Start(*offset)).map_err(|e| spool_err(&self.path, e))?;
+            self.file.read_exact(&mut buffer).map_err(|e| spool_err(&self.path, e))?;
+            hasher.update(&buffer);
+        }
+        Ok(hasher.finish())
+    }
+
+    /// The file's path.
+    pub(crate) fn path(&self) -> &Path {
+        &self.path
     }
 }
 

@@ -49,6 +49,7 @@ fn chunks_in_reverse_order_with_duplicates_reassemble_the_exact_payload() {
             Progress::Complete(bytes) => done = Some(bytes),
             Progress::Duplicate => assert!(done.is_some(), "a duplicate before completion"),
             Progress::Accepted { .. } => {}
+            Progress::Kept(k) => panic!("kept without asking: {k:?}"),
         }
     }
     let bytes = done.expect("complete");
@@ -128,6 +129,7 @@ fn a_spooled_transfer_reassembles_out_of_order_survives_a_corrupt_chunk_and_remo
             Progress::Complete(bytes) => done = Some(bytes),
             Progress::Duplicate => assert!(done.is_some(), "a duplicate before completion"),
             Progress::Accepted { .. } => {}
+            Progress::Kept(k) => panic!("kept without asking: {k:?}"),
         }
     }
     let bytes = done.expect("complete after the clean resend");
@@ -174,4 +176,72 @@ fn a_transfer_larger_than_memory_is_refused_naming_it_instead_of_aborting() {
     let err = Reassembler::new(m, &limits).err().expect("4 EiB cannot be reserved");
     assert!(matches!(err, WireError::OutOfMemory { bytes, .. } if bytes == 1 << 62), "{err}");
     assert!(err.to_string().contains("r1/global"), "{err}");
+}
+
+#[test]
+fn a_kept_transfer_is_verified_whole_stays_on_disk_until_read_and_is_checked_again_when_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = payload(1_500_000); // six 1 MiB chunks
+    let (manifest, chunks) = split_payload("r5/global", &p, DEFAULT_CHUNK_BYTES);
+    let files = || std::fs::read_dir(dir.path()).unwrap().count();
+    // In order (hashed as they come) and out of order (hashed from the file at the end).
+    for order in [[0, 1, 2, 3, 4, 5], [5, 0, 4, 1, 3, 2]] {
+        let feed = |chunks: &[TransferChunk]| {
+            let mut r = Reassembler::kept(manifest.clone(), &Limits::default(), dir.path()).unwrap();
+            let mut last = None;
+            for &i in &order {
+                last = Some(r.accept(chunks[i].clone()));
+            }
+            (r, last.unwrap())
+        };
+        let (r, last) = feed(&chunks);
+        let Ok(Progress::Kept(kept)) = last else { panic!("{order:?}: not kept: {last:?}") };
+        assert_eq!(kept.len(), manifest.bytes);
+        drop(r);
+        assert_eq!(files(), 1, "{order:?}: the kept file outlives its reassembler");
+        assert_eq!(std::fs::metadata(kept.path()).unwrap().len(), manifest.bytes);
+        let bytes = kept.read().unwrap();
+        assert_eq!(TensorPayload::from_bytes(&bytes, &Limits::default(), true).unwrap(), p, "{order:?}");
+        assert_eq!(files(), 0, "{order:?}: reading consumes the file");
+
+        let mut bad = chunks.clone();
+        flip(&mut bad[order[2]], 9, 0x10);
+        let (_, last) = feed(&bad);
+        assert!(matches!(last, Err(WireError::HashMismatch { .. })), "{order:?}: {last:?}");
+    }
+
+    // A file changed on disk while it waited is caught when read.
+    let mut r = Reassembler::kept(manifest.clone(), &Limits::default(), dir.path()).unwrap();
+    let kept = chunks.iter().find_map(|c| match r.accept(c.clone()).unwrap() {
+        Progress::Kept(k) => Some(k),
+        _ => None,
+    });
+    let kept = kept.expect("kept");
+    let mut on_disk = std::fs::read(kept.path()).unwrap();
+    on_disk[100] ^= 1;
+    std::fs::write(kept.path(), on_disk).unwrap();
+    let err = kept.read().unwrap_err().to_string();
+    assert!(err.contains("r5/global") && err.contains("kept in"), "{err}");
+    assert_eq!(files(), 0);
+}
+
+#[test]
+fn a_kept_bundle_hands_over_its_main_transfer_and_sections_in_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let (main, mut chunks) = split_payload("r2/global", &payload(400_000), DEFAULT_CHUNK_BYTES);
+    let (control, control_chunks) = split_payload("r2/global/scaffold", &payload(300_000), DEFAULT_CHUNK_BYTES);
+    chunks.extend(control_chunks);
+    let sections = std::collections::BTreeMap::from([("scaffold.control".to_string(), control.clone())]);
+    let mut bundle = Bundle::kept(main.clone(), &sections, &Limits::default(), dir.path()).unwrap();
+    let last = chunks.pop().unwrap();
+    for c in chunks {
+        assert_eq!(bundle.accept(c).unwrap(), BundleProgress::Accepted);
+    }
+    let BundleProgress::Kept(kept) = bundle.accept(last).unwrap() else { panic!("not kept") };
+    assert_eq!(kept.len(), main.bytes + control.bytes);
+    drop(bundle);
+    let bytes = kept.read().unwrap();
+    assert_eq!(digest(&bytes.main), main.digest);
+    assert_eq!(digest(&bytes.sections["scaffold.control"]), control.digest);
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
 }

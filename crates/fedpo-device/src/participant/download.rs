@@ -1,7 +1,10 @@
 //! What a device accepts to download: a plan's transfers checked against the model its
-//! own spec describes, before any byte of them is stored.
+//! own spec describes, before any byte of them is stored; and where they wait until the
+//! device trains.
 
-use fedpo_wire::RoundPlan;
+use std::path::Path;
+
+use fedpo_wire::{Bundle, BundleBytes, KeptBundle, Limits, RoundPlan};
 
 use crate::memory;
 
@@ -25,6 +28,43 @@ pub(super) fn check_download(plan: &RoundPlan) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// Starts receiving a plan's transfers: in memory for a device alone in its process, or
+/// kept on disk under `incoming` for one that may have to wait its turn to train.
+pub(super) fn receive(plan: &RoundPlan, limits: &Limits, incoming: Option<&Path>) -> Result<Bundle, String> {
+    check_download(plan)?;
+    let bundle = match incoming {
+        Some(dir) => Bundle::kept(plan.global_model.clone(), &plan.sections, limits, dir),
+        None => Bundle::new(plan.global_model.clone(), &plan.sections, limits),
+    };
+    bundle.map_err(|e| e.to_string())
+}
+
+/// A round's transfers, complete and verified.
+pub(super) enum Received {
+    /// In memory.
+    Bytes(BundleBytes),
+    /// On disk, until the device's turn.
+    Kept(KeptBundle),
+}
+
+impl Received {
+    /// Bytes received, over every transfer.
+    pub(super) fn len(&self) -> u64 {
+        match self {
+            Self::Bytes(b) => (b.main.len() + b.sections.values().map(|s| s.len()).sum::<usize>()) as u64,
+            Self::Kept(k) => k.len(),
+        }
+    }
+
+    /// The bytes, in memory (read back and checked again if they were kept).
+    pub(super) fn into_bytes(self) -> Result<BundleBytes, fedpo_wire::WireError> {
+        match self {
+            Self::Bytes(b) => Ok(b),
+            Self::Kept(k) => k.read(),
+        }
+    }
 }
 
 #[cfg(test)]
