@@ -20,6 +20,10 @@ use crate::lora::{LoraConfig, LoraLayer};
 use crate::ops;
 use crate::weights::{Init, ParamBuilder};
 
+mod decode;
+
+pub use decode::KvCache;
+
 type CResult<T> = candle_core::Result<T>;
 
 /// GPT-2's initialiser range: weights are N(0, 0.02).

@@ -4,6 +4,7 @@
 //! - [`Policy`]: the model with its **shared**, **private** and **frozen** parameter sets
 //!   ([`Partition`]), built from a checkpoint or a seeded random init;
 //! - [`checkpoint`]: HF directories in, adapters and models out, written atomically;
+//! - [`generate`]: completions with a [`KvCache`], greedy or sampled ([`Sampling`]);
 //! - [`Gpt2Tokenizer`]: the GPT-2 BPE, built offline, optionally renumbered into a
 //!   [`TrimmedVocab`] for simulations;
 //! - [`ops`]: gradient-correct layer norm, softmax and the fused kernels training relies on.
@@ -12,12 +13,14 @@ pub mod checkpoint;
 mod config;
 mod error;
 mod exchange;
+mod generate;
 mod gpt2;
 pub mod io;
 mod lora;
 pub mod ops;
 mod params;
 mod policy;
+mod sampler;
 mod spilled_start;
 pub mod tokenizer;
 mod trimmed_vocab;
@@ -26,10 +29,12 @@ mod weights;
 pub use config::{Gpt2Config, GPT2_VOCAB_SIZE};
 pub use error::{ModelError, Result};
 pub use exchange::SharedTensor;
-pub use gpt2::{BackwardPass, Gpt2};
+pub use generate::{fit_prompt, generate, GenerateSettings, Generated, StopReason};
+pub use gpt2::{BackwardPass, Gpt2, KvCache};
 pub use lora::{LoraConfig, LoraTargets, LORA_MODULES};
 pub use params::{Param, ParamKind, ParamRole, ParamStore, Partition, PartitionPreset};
 pub use policy::{Policy, PolicySpec};
+pub use sampler::{Sampler, Sampling};
 pub use spilled_start::SpilledStart;
 pub use tokenizer::Gpt2Tokenizer;
 pub use trimmed_vocab::TrimmedVocab;
