@@ -12,4 +12,6 @@ pub mod memory;
 pub mod participant;
 mod round;
 mod state_dir;
+
+pub use state_dir::{read_latest_model, LatestModel};
 pub mod threads;

@@ -10,6 +10,7 @@
 
 mod bench;
 mod config_file;
+mod generate;
 mod run;
 mod score;
 mod setup;
@@ -40,6 +41,9 @@ enum Command {
     /// Take part in a federated job: train each round that selects this device and upload
     /// only the shared update; the private adapter stays in --state-dir.
     Run(run::RunArgs),
+    /// Complete a prompt with the personalized model (a device's --state-dir, or --model
+    /// with --adapter), streamed to stdout; --compare shows the global base's beside it.
+    Generate(generate::GenerateArgs),
     /// Time one DPO optimizer step and report peak memory, with the peer script's flags.
     Bench(bench::BenchArgs),
 }
@@ -59,6 +63,7 @@ fn run_command() -> Result<()> {
         Command::TrainLocal(args) => train_local::run(args),
         Command::Score(args) => score::run(args),
         Command::Bench(args) => bench::run(args),
+        Command::Generate(args) => generate::run(args),
         Command::Run(args) => run::run(args),
     }
 }

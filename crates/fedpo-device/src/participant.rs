@@ -541,6 +541,14 @@ impl Participant {
             // log-probs from should their cache ever be damaged.
             self.state.keep_reference_model(&bytes.main)?;
         }
+        // Kept for `generate` and `export`: the closing evaluation's is the job's final model.
+        let latest = crate::state_dir::LatestModel {
+            round: plan.round,
+            digest: hex::encode(&plan.global_model.digest),
+            model_spec: plan.model_spec.clone(),
+            job: plan.job.clone(),
+        };
+        self.state.keep_latest_model(&bytes.main, &latest)?;
         let decoding = Instant::now();
         // In place: the tensors are slices of the received bytes, freed once the model is built.
         let global = TensorPayload::from_shared(bytes.main, &self.limits, true)?;

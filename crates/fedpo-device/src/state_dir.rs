@@ -17,6 +17,10 @@
 //! - `round-start.f32`: while a round trains with its starting model on disk
 //!   ([`fedpo_model::SpilledStart`]), that model's shared tensors; removed once the update
 //!   is formed. It is scratch: a crash mid-round retrains the round and overwrites it.
+//! - `global-model.bin`, `global-model.json`: the latest global model received (as
+//!   received) and what it is (round, digest, model spec), for `fedpo-device generate`
+//!   and `export` to use the model with the private adapter. The model is written first,
+//!   so the description never vouches for a model that is not there;
 //! - `incoming/`: where a device that takes turns with others in one process
 //!   (`simulate`) keeps the round's model while it waits for its turn
 //!   ([`fedpo_wire::Bundle::kept`]). Scratch: emptied when the device starts.
@@ -67,6 +71,53 @@ pub(crate) struct SentUpdate {
 
 pub(crate) struct StateDir {
     root: PathBuf,
+}
+
+/// Where the latest global model is kept, and its description.
+const LATEST_MODEL: &str = "global-model.bin";
+const LATEST_MODEL_INFO: &str = "global-model.json";
+
+/// The latest global model a device received.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LatestModel {
+    /// The round it was received for (the closing evaluation's: the job's final model).
+    pub round: u64,
+    /// Its digest, hex.
+    pub digest: String,
+    /// The job's model spec (`fedpo_model::PolicySpec`, JSON), as the plan gave it.
+    pub model_spec: String,
+    /// The job.
+    pub job: String,
+}
+
+/// Reads the latest global model a device kept in `dir`: its description and its bytes,
+/// checked against the digest. Errors name the file and what to do.
+pub fn read_latest_model(dir: &Path) -> Result<(LatestModel, fedpo_wire::Bytes), ParticipantError> {
+    let described = dir.join(LATEST_MODEL_INFO);
+    let info: LatestModel = match std::fs::read(&described) {
+        Ok(json) => serde_json::from_slice(&json).map_err(|e| io_err(&described, e))?,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(io_err(
+                &described,
+                "missing: this state directory has not received a global model yet (a device keeps one from its \
+                 first round on)",
+            ))
+        }
+        Err(e) => return Err(io_err(&described, e)),
+    };
+    let path = dir.join(LATEST_MODEL);
+    let bytes = std::fs::read(&path).map_err(|e| io_err(&path, e))?;
+    if hex::encode(fedpo_wire::digest(&bytes)) != info.digest {
+        return Err(io_err(
+            &path,
+            format!(
+                "is not the model {} describes (round {}); the next round rewrites both",
+                described.display(),
+                info.round
+            ),
+        ));
+    }
+    Ok((info, bytes.into()))
 }
 
 /// Where the reference model is kept.
@@ -179,6 +230,14 @@ impl StateDir {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
             Err(e) => Err(io_err(&path, e)),
         }
+    }
+
+    /// Keeps `bytes`, the global model of `info.round` as received, as the latest model.
+    pub(crate) fn keep_latest_model(&self, bytes: &[u8], info: &LatestModel) -> Result<(), ParticipantError> {
+        let (model, described) = (self.path(LATEST_MODEL), self.path(LATEST_MODEL_INFO));
+        write_atomic(&model, bytes).map_err(|e| io_err(&model, e))?;
+        let json = serde_json::to_vec_pretty(info).map_err(|e| io_err(&described, e))?;
+        write_atomic(&described, &json).map_err(|e| io_err(&described, e))
     }
 
     pub(crate) fn progress(&self) -> Result<Progress, ParticipantError> {

@@ -1,11 +1,13 @@
-//! Memory on small devices: what training will take ([`footprint`]), fitting it into a
-//! budget ([`planner`]), and what the process actually used (its peak memory, and the CPU
+//! Memory on small devices: what training will take ([`footprint`]) and what generating
+//! will ([`generation_estimate`]), fitting training into a budget ([`planner`]), and what the process actually used (its peak memory, and the CPU
 //! time the benchmark compares with its wall time).
 
 pub mod footprint;
+mod generation;
 pub mod planner;
 
 pub use footprint::{Estimate, ParamCounts, StepKernels, Workload, SAFETY_MARGIN, TOKENIZER_MIB};
+pub use generation::{generation_estimate, GenerationEstimate};
 pub use planner::{longest, plan, MemoryPlan, PlanError, PlanRequest, StartOnDisk};
 
 /// This process's resource usage so far (all its threads).

@@ -1,0 +1,73 @@
+//! `fedpo-device generate` on a device's own state after a federated job: the latest
+//! global model it kept and its private adapter, streamed, with stop strings, and the
+//! refusals a user meets.
+
+use std::path::Path;
+use std::process::Command;
+
+mod common;
+
+fn generate(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(common::binary("fedpo-device")).arg("generate").args(args).output().unwrap();
+    (out.status.success(), String::from_utf8(out.stdout).unwrap(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+fn job(out: &Path) {
+    let args: Vec<String> = ["fedpo-aggregator", "simulate", "--devices", "2", "--rounds", "2", "--local-steps", "2"]
+        .into_iter()
+        .chain(["--batch-pairs", "2", "--train-pairs", "4", "--heldout-pairs", "2", "--max-len", "48"])
+        .chain(["--method", "pfeddpo", "--out", out.to_str().unwrap()])
+        .map(String::from)
+        .collect();
+    fedpo_aggregator::run_cli(args).expect("the job runs");
+}
+
+#[test]
+fn a_device_generates_from_the_final_global_model_and_its_adapter_and_stops_where_asked() {
+    let dir = fedpo_tests::TestDir::new();
+    let out = dir.path().join("job");
+    job(&out);
+    let state = out.join("devices/dev-0");
+    // The closing evaluation's model is the one kept: round 3, after 2 training rounds.
+    let latest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(state.join("global-model.json")).unwrap()).unwrap();
+    assert_eq!(latest["round"], 3, "{latest}");
+    let state = state.to_str().unwrap();
+
+    let greedy = ["--state-dir", state, "--prompt", "Explain how tides work", "--greedy", "--max-new-tokens", "24"];
+    let (ok, compared, err) = generate(&[&greedy[..], &["--compare"]].concat());
+    assert!(ok, "{err}");
+    let (base, adapted) = compared.split_once("── with your adapter ──").expect("two completions");
+    assert!(base.starts_with("── global model alone ──"), "{compared}");
+    // Greedy is deterministic, and the personalized completion is the plain one.
+    let (ok, plain, err) = generate(&greedy);
+    assert!(ok, "{err}");
+    assert_eq!(
+        plain.trim_end(),
+        adapted.trim_start_matches('\n').trim_end(),
+        "--compare's second completion is the personalized model's"
+    );
+    assert!(err.contains("round 3") && err.contains("private adapter"), "the log names the source: {err}");
+
+    // A stop string ends the completion before it (sampled, for a varied text).
+    let sampled = ["--state-dir", state, "--prompt", "Explain how tides work", "--temperature", "1", "--seed", "5"];
+    let (ok, plain, err) = generate(&sampled);
+    assert!(ok, "{err}");
+    let text = plain.trim_end();
+    let cut = text.char_indices().map(|(i, _)| i).nth(text.chars().count() / 2).unwrap();
+    let stop: String = text[cut..].chars().take(3).collect();
+    let (ok, stopped, err) = generate(&[&sampled[..], &["--stop", &stop]].concat());
+    assert!(ok, "{err}");
+    let expected = &text[..text.find(&stop).unwrap()];
+    assert_eq!(stopped.trim_end_matches('\n'), expected, "stop string {stop:?}");
+
+    // Refusals name what is wrong.
+    let empty = dir.path().join("never-trained");
+    std::fs::create_dir_all(&empty).unwrap();
+    let (ok, _, err) = generate(&["--state-dir", empty.to_str().unwrap(), "--prompt", "x"]);
+    assert!(!ok && err.contains("global-model.json") && err.contains("not received"), "{err}");
+    let (ok, _, err) = generate(&[&sampled[..], &["--max-new-tokens", "5000"]].concat());
+    assert!(!ok && err.contains("5000 new tokens") && err.contains("1024"), "{err}");
+    let (ok, _, err) = generate(&[&greedy[..], &["--max-memory", "10"]].concat());
+    assert!(!ok && err.contains("--max-memory 10 MiB"), "{err}");
+}
