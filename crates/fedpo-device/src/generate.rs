@@ -66,7 +66,8 @@ pub(crate) struct GenerateArgs {
     /// Compute device: auto, cpu, cuda[:N] or metal.
     #[arg(long, default_value = "auto")]
     device: String,
-    /// Weights, activations and cache in f32 or bf16.
+    /// Weights in f32 or bf16 (half the memory and the bytes each token reads); activations,
+    /// the cache and the logits stay f32.
     #[arg(long, default_value = "f32", value_parser = parse_dtype)]
     dtype: DType,
     /// Memory budget, MiB: refuse a generation whose weights, cache and activations would
@@ -120,7 +121,9 @@ pub(crate) fn load_state_dir(dir: &Path, dtype: DType, device: &Device) -> Resul
     let frozen = PolicySpec { partition: Partition::new(PartitionPreset::SharedLora), ..spec.clone() };
     let adapted = spec.lora.is_some() && spec.partition.uses_adapter();
     let frozen = if adapted { frozen } else { PolicySpec { lora: None, ..frozen } };
-    let policy = Policy::build(frozen, Some(&global), adapter, 0, dtype, device)?;
+    let mut policy = Policy::build(frozen, Some(&global), adapter, 0, dtype, device)?;
+    // bf16 weights, f32 activations (see `fedpo_model::KvCache`).
+    policy.model.set_compute_dtype(DType::F32);
     let source = format!(
         "{}: job `{}`, the global model of round {}{}",
         dir.display(),
@@ -158,7 +161,10 @@ fn load_model(args: &GenerateArgs, model: &str, device: &Device) -> Result<Loade
             tensors: policy.params.iter().map(|p| (p.name.clone(), p.tensor().clone())).collect(),
             description: loaded_from(model),
         };
-        Policy::build(policy.spec.clone(), Some(&tensors), Some(&tensors), args.seed, args.dtype, device)?
+        let mut half =
+            Policy::build(policy.spec.clone(), Some(&tensors), Some(&tensors), args.seed, args.dtype, device)?;
+        half.model.set_compute_dtype(DType::F32);
+        half
     };
     let adapted = args.adapter.is_some();
     let source = match &args.adapter {

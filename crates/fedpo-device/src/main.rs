@@ -9,6 +9,7 @@
 //! ```
 
 mod bench;
+mod bench_generate;
 mod config_file;
 mod generate;
 mod run;
@@ -41,6 +42,9 @@ enum Command {
     /// Take part in a federated job: train each round that selects this device and upload
     /// only the shared update; the private adapter stays in --state-dir.
     Run(run::RunArgs),
+    /// Time generation (prefill and decode tokens/s, peak memory), with the peer script's
+    /// flags (`scripts/generate_bench.py`).
+    BenchGenerate(bench_generate::BenchGenerateArgs),
     /// Complete a prompt with the personalized model (a device's --state-dir, or --model
     /// with --adapter), streamed to stdout; --compare shows the global base's beside it.
     Generate(generate::GenerateArgs),
@@ -64,6 +68,7 @@ fn run_command() -> Result<()> {
         Command::Score(args) => score::run(args),
         Command::Bench(args) => bench::run(args),
         Command::Generate(args) => generate::run(args),
+        Command::BenchGenerate(args) => bench_generate::run(args),
         Command::Run(args) => run::run(args),
     }
 }

@@ -2,13 +2,17 @@
 //! [`KvCache`], so a generated token costs one position's forward pass, not the whole
 //! sequence's.
 //!
+//! Weights may be bf16 with f32 activations (`generate --dtype bf16`): one token's
+//! products read them as stored, half the bytes a token streams, while layer norms,
+//! attention, the cache and the logits stay f32.
+//!
 //! Inference only: nothing here records a gradient, and the adapter is applied beside the
 //! frozen base projection (two rank-r matmuls per token) rather than merged into it, which
 //! would cost a weight-sized addition per token and a second copy of every adapted weight.
 
 use candle_core::{DType, Device, Tensor};
 
-use super::{Attention, Block, Conv1D, Gpt2};
+use super::{Attention, Block, Conv1D, Gpt2, LayerNorm};
 use crate::config::Gpt2Config;
 use crate::error::{ModelError, Result};
 use crate::ops;
@@ -78,7 +82,11 @@ impl Conv1D {
     /// `x @ weight + bias`, plus the adapter's output, without gradients.
     fn infer(&self, x: &Tensor) -> CResult<Tensor> {
         let cast = |p: &Tensor| p.detach().to_dtype(x.dtype());
-        let base = ops::linear_bias(x, &cast(&self.weight)?, &cast(&self.bias)?)?;
+        // One token's rows read bf16 weights as stored; a prefill's casts them once.
+        let base = match ops::rows_times_weight(x, &self.weight, &self.bias)? {
+            Some(y) => y,
+            None => ops::linear_bias(x, &cast(&self.weight)?, &cast(&self.bias)?)?,
+        };
         match &self.lora {
             Some(lora) => {
                 let (a, b) = (cast(&lora.a)?, cast(&lora.b)?);
@@ -103,15 +111,16 @@ impl Attention {
         v_cache.slice_set(&v, 1, past)?;
         let total = past + n;
         let (keys, values) = (k_cache.narrow(1, 0, total)?, v_cache.narrow(1, 0, total)?);
-        // Scores and softmax in the master dtype, as in training.
+        // Scores and softmax in f32 when either the activations or the weights are.
+        let softmax = if x.dtype() == DType::F32 { DType::F32 } else { self.master };
         let scale = 1.0 / (head_dim as f64).sqrt();
-        let mut scores = (q.matmul(&keys.t()?)?.to_dtype(self.master)? * scale)?;
+        let mut scores = (q.matmul(&keys.t()?)?.to_dtype(softmax)? * scale)?;
         if n > 1 {
             // Query i sits at position past + i and sees keys up to it.
             let mask: Vec<f32> = (0..n)
                 .flat_map(|i| (0..total).map(move |j| if j <= past + i { 0.0 } else { f32::NEG_INFINITY }))
                 .collect();
-            let mask = Tensor::from_vec(mask, (n, total), x.device())?.to_dtype(self.master)?;
+            let mask = Tensor::from_vec(mask, (n, total), x.device())?.to_dtype(softmax)?;
             scores = scores.broadcast_add(&mask)?;
         }
         let probs = ops::softmax_last_dim(&scores)?.to_dtype(x.dtype())?;
@@ -120,10 +129,21 @@ impl Attention {
     }
 }
 
+impl LayerNorm {
+    /// Normalizes in the activations' dtype when it is f32, whatever the weights'.
+    fn infer(&self, x: &Tensor) -> CResult<Tensor> {
+        if x.dtype() == DType::F32 {
+            let f32 = |p: &Tensor| p.detach().to_dtype(DType::F32);
+            return ops::layer_norm(x, &f32(&self.weight)?, &f32(&self.bias)?, self.eps);
+        }
+        self.forward(x)
+    }
+}
+
 impl Block {
     fn infer(&self, x: &Tensor, cache: &(Tensor, Tensor), past: usize) -> CResult<Tensor> {
-        let x = (x + self.attn.infer(&self.ln_1.forward(x)?, cache, past)?)?;
-        let mlp = self.mlp.c_proj.infer(&ops::gelu_new(&self.mlp.c_fc.infer(&self.ln_2.forward(&x)?)?)?)?;
+        let x = (x + self.attn.infer(&self.ln_1.infer(x)?, cache, past)?)?;
+        let mlp = self.mlp.c_proj.infer(&ops::gelu_new(&self.mlp.c_fc.infer(&self.ln_2.infer(&x)?)?)?)?;
         &x + mlp
     }
 }
@@ -156,14 +176,19 @@ impl Gpt2 {
             x = block.infer(&x, layer, past)?;
         }
         cache.len += n;
-        Ok(self.ln_f.forward(&x)?)
+        Ok(self.ln_f.infer(&x)?)
     }
 
     /// Logits `[n, vocab]` in the master dtype for hidden states `[n, n_embd]`, without
     /// gradients.
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
-        let head = self.wte.detach().to_dtype(hidden.dtype())?;
-        Ok(ops::matmul(hidden, &head.t()?)?.to_dtype(self.dtype)?)
+        // `wte @ hidden^T`: the embedding's rows are read in place, one dot product per
+        // token, where `hidden @ wte^T` would read the table transposed.
+        let logits = match ops::rows_times_table(hidden, &self.wte)? {
+            Some(l) => l,
+            None => self.wte.detach().to_dtype(hidden.dtype())?.matmul(&hidden.t()?)?.t()?,
+        };
+        Ok(logits.to_dtype(self.dtype)?)
     }
 
     /// Logits of the position after the last of `ids`, decoded after what `cache` holds.

@@ -12,6 +12,8 @@
 //! - [`causal_self_attention`]: multi-head causal attention straight from the fused
 //!   projection, with the heads read and written in place;
 //! - [`layer_norm`] and [`softmax_last_dim`]: forward keeps only what backward needs;
+//! - [`rows_times_weight`] and [`rows_times_table`]: one decoded token's products,
+//!   streaming each weight once across every core;
 //! - [`TiedGradient`]: the embedding lookup and the tied head (alone, or fused with the
 //!   target tokens' log-probabilities), adding into one gradient buffer.
 //!
@@ -51,6 +53,7 @@ mod head_logprobs;
 mod layer_norm;
 mod linear;
 mod matmul_frozen;
+mod matvec;
 pub mod multiversion;
 mod projection;
 mod query_blocks;
@@ -71,6 +74,7 @@ pub use gelu::gelu_new;
 pub use layer_norm::layer_norm;
 pub use linear::linear_bias;
 pub use matmul_frozen::matmul_frozen_rhs;
+pub use matvec::{rows_times_table, rows_times_weight, MATVEC_MAX_ROWS};
 pub use softmax::{causal_softmax, softmax_last_dim};
 pub use tied_embedding::TiedGradient;
 pub use token_logprobs::token_logprobs;
