@@ -14,7 +14,8 @@ What one timed repeat does (the thing fedpo is measured against), batch 1:
 Model: GPT2LMHeadModel(GPT2Config(...)) with seeded random init (no hub downloads), dropout 0,
 tied head; DistilGPT-2's shape (6 layers, 768 wide, 12 heads, vocab 50257, 1024 positions) or
 --tiny's (2 layers, 128 wide, 4 heads). LoRA (PEFT) r 8, alpha 16 on c_attn, fan_in_fan_out,
-with a non-zero B as a trained adapter has, unless --no-adapter. Eager attention, f32.
+with a non-zero B as a trained adapter has, unless --no-adapter. Eager attention, f32 (or
+all bf16 with --dtype bf16; fedpo's bf16 keeps activations f32 and only weights bf16).
 
 Prints one JSON object with the keys fedpo's bench-generate prints.
 """
@@ -37,6 +38,8 @@ parser.add_argument("-W", "--warmup", type=int, default=1)
 parser.add_argument("-N", "--repeats", type=int, default=5)
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--threads", type=int, default=0, help="torch threads (0: PyTorch's default)")
+parser.add_argument("--dtype", choices=["f32", "bf16"], default="f32",
+                    help="bf16: the whole model in bfloat16 (weights and activations)")
 args = parser.parse_args()
 
 if args.threads:
@@ -56,6 +59,9 @@ if not args.no_adapter:
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.uniform_(-0.02, 0.02)
+
+if args.dtype == "bf16":
+    model = model.to(torch.bfloat16)
 
 g = torch.Generator().manual_seed(args.seed + 1)
 prompt = torch.randint(0, cfg.vocab_size, (1, args.prompt_tokens), generator=g)
@@ -88,7 +94,7 @@ print(json.dumps({
     "implementation": "pytorch",
     "config": "tiny" if args.tiny else "distilgpt2",
     "adapter": not args.no_adapter,
-    "dtype": "f32",
+    "dtype": args.dtype,
     "device": "cpu",
     "prompt_tokens": args.prompt_tokens,
     "new_tokens": args.new_tokens,
