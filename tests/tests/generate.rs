@@ -1,6 +1,7 @@
-//! `fedpo-device generate` on a device's own state after a federated job: the latest
-//! global model it kept and its private adapter, streamed, with stop strings, and the
-//! refusals a user meets.
+//! `fedpo-device generate` and `export` on a device's own state after a federated job: the
+//! latest global model it kept and its private adapter, streamed, with stop strings,
+//! exported to transformers and PEFT directories and read back, and the refusals a user
+//! meets.
 
 use std::path::Path;
 use std::process::Command;
@@ -60,6 +61,57 @@ fn a_device_generates_from_the_final_global_model_and_its_adapter_and_stops_wher
     assert!(ok, "{err}");
     let expected = &text[..text.find(&stop).unwrap()];
     assert_eq!(stopped.trim_end_matches('\n'), expected, "stop string {stop:?}");
+
+    // Exported as transformers + PEFT directories, the model and adapter generate the same
+    // completion through --model and --adapter DIR; a second export needs --force.
+    let exported = dir.path().join("export");
+    let export = |extra: &[&str]| {
+        let out = Command::new(common::binary("fedpo-device"))
+            .args(["export", "--state-dir", state, "--out", exported.to_str().unwrap()])
+            .args(extra)
+            .output()
+            .unwrap();
+        (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let (ok, err) = export(&[]);
+    assert!(ok, "{err}");
+    for file in ["model/config.json", "model/model.safetensors", "model/tokenizer.json", "adapter/adapter_config.json"]
+    {
+        assert!(exported.join(file).is_file(), "{file}");
+    }
+    let model = exported.join("model");
+    let adapter = exported.join("adapter");
+    let from_export = [
+        "--model",
+        model.to_str().unwrap(),
+        "--adapter",
+        adapter.to_str().unwrap(),
+        "--prompt",
+        "Explain how tides work",
+        "--greedy",
+        "--max-new-tokens",
+        "24",
+    ];
+    let (ok, again, err) = generate(&from_export);
+    assert!(ok, "{err}");
+    let (_, direct, _) = generate(&greedy);
+    assert_eq!(again, direct, "the exported model and adapter generate what the state directory does");
+    let (ok, err) = export(&[]);
+    assert!(!ok && err.contains("--force"), "{err}");
+    let (ok, err) = export(&["--force", "--merged"]);
+    assert!(ok, "{err}");
+    assert!(!exported.join("adapter").exists(), "a merged export has no adapter directory");
+    let (ok, merged, err) = generate(&[
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt",
+        "Explain how tides work",
+        "--greedy",
+        "--max-new-tokens",
+        "24",
+    ]);
+    assert!(ok, "{err}");
+    assert_eq!(merged, direct, "the merged model generates what the model with its adapter does");
 
     // Refusals name what is wrong.
     let empty = dir.path().join("never-trained");

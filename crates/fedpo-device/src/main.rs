@@ -11,6 +11,7 @@
 mod bench;
 mod bench_generate;
 mod config_file;
+mod export;
 mod generate;
 mod run;
 mod score;
@@ -42,6 +43,9 @@ enum Command {
     /// Take part in a federated job: train each round that selects this device and upload
     /// only the shared update; the private adapter stays in --state-dir.
     Run(run::RunArgs),
+    /// Write a device's model (transformers) and private adapter (PEFT) to a directory;
+    /// --merged writes the model with the adapter merged in.
+    Export(export::ExportArgs),
     /// Time generation (prefill and decode tokens/s, peak memory), with the peer script's
     /// flags (`scripts/generate_bench.py`).
     BenchGenerate(bench_generate::BenchGenerateArgs),
@@ -68,6 +72,7 @@ fn run_command() -> Result<()> {
         Command::Score(args) => score::run(args),
         Command::Bench(args) => bench::run(args),
         Command::Generate(args) => generate::run(args),
+        Command::Export(args) => export::run(args),
         Command::BenchGenerate(args) => bench_generate::run(args),
         Command::Run(args) => run::run(args),
     }

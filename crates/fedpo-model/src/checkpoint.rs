@@ -108,8 +108,12 @@ pub struct SavedAdapter {
     pub base_hash: Option<String>,
 }
 
-/// Reads an adapter file and its metadata.
+/// Reads an adapter: a fedpo adapter file with its metadata, or a PEFT LoRA directory
+/// ([`crate::export::load_peft_dir`]).
 pub fn load_adapter(path: &Path, device: &Device) -> Result<SavedAdapter> {
+    if path.is_dir() {
+        return crate::export::load_peft_dir(path, device);
+    }
     let file = read_safetensors(path, device)?;
     let mismatch = |reason: String| ModelError::AdapterMismatch { path: path.to_path_buf(), reason };
     let meta = &file.metadata;

@@ -4,6 +4,7 @@
 //! - [`Policy`]: the model with its **shared**, **private** and **frozen** parameter sets
 //!   ([`Partition`]), built from a checkpoint or a seeded random init;
 //! - [`checkpoint`]: HF directories in, adapters and models out, written atomically;
+//! - [`export`]: transformers model and PEFT adapter directories out, PEFT adapters in;
 //! - [`generate`]: completions with a [`KvCache`], greedy or sampled ([`Sampling`]);
 //! - [`Gpt2Tokenizer`]: the GPT-2 BPE, built offline, optionally renumbered into a
 //!   [`TrimmedVocab`] for simulations;
@@ -13,6 +14,7 @@ pub mod checkpoint;
 mod config;
 mod error;
 mod exchange;
+pub mod export;
 mod generate;
 mod gpt2;
 pub mod io;
