@@ -123,3 +123,50 @@ fn a_device_generates_from_the_final_global_model_and_its_adapter_and_stops_wher
     let (ok, _, err) = generate(&[&greedy[..], &["--max-memory", "10"]].concat());
     assert!(!ok && err.contains("--max-memory 10 MiB"), "{err}");
 }
+
+#[test]
+fn a_peft_adapter_starts_a_devices_private_adapter_once() {
+    let dir = fedpo_tests::TestDir::new();
+    let state = dir.path().join("state");
+    let peft = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/golden/peft-adapter");
+    // No broker answers on port 1: the device writes its adapter, then tries to connect
+    // until it is stopped.
+    let run = || {
+        let mut child = Command::new(common::binary("fedpo-device"))
+            .args(["run", "--broker", "mqtt://127.0.0.1:1", "--id", "pi-1", "--synthetic-persona", "0"])
+            .arg("--state-dir")
+            .arg(&state)
+            .arg("--init-adapter")
+            .arg(&peft)
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let started = std::time::Instant::now();
+        let existed = state.join("adapter.safetensors").exists();
+        while child.try_wait().unwrap().is_none() && started.elapsed() < std::time::Duration::from_secs(20) {
+            if !existed && state.join("adapter.safetensors").exists() {
+                std::thread::sleep(std::time::Duration::from_millis(300));
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        let _ = child.kill();
+        child.wait_with_output().unwrap()
+    };
+    let before = std::time::Instant::now();
+    run();
+    assert!(before.elapsed() < std::time::Duration::from_secs(20), "the adapter was never written");
+    let written = fedpo_model::checkpoint::load_adapter(&state.join("adapter.safetensors"), &candle_core::Device::Cpu);
+    let written = written.expect("a fedpo adapter file");
+    let original = fedpo_model::checkpoint::load_adapter(&peft, &candle_core::Device::Cpu).unwrap();
+    assert_eq!(written.lora, original.lora);
+    assert_eq!(written.tensors.tensors.len(), original.tensors.tensors.len());
+    for (name, t) in &original.tensors.tensors {
+        let w = &written.tensors.tensors[name];
+        let gap: f32 = (w - t).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar().unwrap();
+        assert_eq!(gap, 0.0, "{name}");
+    }
+    let again = run();
+    let err = String::from_utf8_lossy(&again.stderr);
+    assert!(!again.status.success() && err.contains("--init-adapter starts"), "{err}");
+}

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use clap::Args;
 use fedpo_data::partition::train_heldout_split;
 use fedpo_data::synthetic::{generate_pairs, Personas, SyntheticSpec};
@@ -90,6 +90,11 @@ pub(crate) struct RunArgs {
     /// from 1 again; its adapter stays.
     #[arg(long)]
     rejoin: bool,
+    /// Start this device's private adapter from an adapter (a fedpo adapter file or a
+    /// PEFT directory) instead of a fresh one. Only before the device has an adapter of
+    /// its own; its rank and targets must be the job's.
+    #[arg(long)]
+    init_adapter: Option<PathBuf>,
     /// Start a fresh private adapter if the one this device saved is missing; without
     /// it, a missing adapter stops the device before it joins, so that its personalisation
     /// is not lost unnoticed.
@@ -162,6 +167,9 @@ pub(crate) fn run(args: RunArgs) -> Result<()> {
         Some(path) => Some(Arc::new(TrimmedVocab::load(path, GPT2_VOCAB_SIZE)?)),
         None => None,
     };
+    if let Some(init) = &args.init_adapter {
+        init_adapter(init, &args.state_dir)?;
+    }
     let stop = Arc::new(AtomicBool::new(false));
     let cfg = ParticipantConfig {
         broker,
@@ -191,5 +199,24 @@ pub(crate) fn run(args: RunArgs) -> Result<()> {
     }
     let summary = participant::run(cfg)?;
     tracing::info!(rounds = ?summary.rounds, bytes_up = summary.bytes_up, bytes_down = summary.bytes_down, "left the job");
+    Ok(())
+}
+
+/// Writes the adapter at `from` as the device's private adapter in `state_dir`, which
+/// must not have one yet.
+fn init_adapter(from: &std::path::Path, state_dir: &std::path::Path) -> Result<()> {
+    let target = state_dir.join("adapter.safetensors");
+    if target.exists() {
+        bail!(
+            "{} exists: --init-adapter starts a device's adapter only before it has one of its own (move the file \
+             away to start over)",
+            target.display()
+        );
+    }
+    let adapter = fedpo_model::checkpoint::load_adapter(from, &candle_core::Device::Cpu)
+        .with_context(|| format!("--init-adapter {}", from.display()))?;
+    std::fs::create_dir_all(state_dir).with_context(|| format!("creating {}", state_dir.display()))?;
+    fedpo_model::checkpoint::write_adapter(&adapter, &target)?;
+    tracing::info!(from = %from.display(), rank = adapter.lora.rank, targets = ?adapter.lora.targets, "private adapter initialised");
     Ok(())
 }

@@ -9,7 +9,8 @@ use candle_core::Device;
 use clap::Args;
 use fedpo_data::fingerprint;
 use fedpo_device::memory::{self, longest, peak_rss_mib, PlanRequest, StepKernels};
-use fedpo_model::checkpoint::{save_adapter, save_model_dir};
+use fedpo_model::checkpoint::save_adapter;
+use fedpo_model::export::{write_dir_atomically, write_peft_dir, write_transformers_dir};
 use fedpo_model::io::{hash_tensors, write_atomic};
 use fedpo_model::{ParamKind, ParamRole, Partition, Policy};
 use fedpo_train::{
@@ -236,16 +237,20 @@ fn save_outputs(
     after_heldout: &EvalMetrics,
 ) -> Result<()> {
     let mut saved = Vec::new();
+    let base_trained = policy.params.trainable().any(|p| p.kind == ParamKind::Base);
+    if base_trained {
+        // A transformers directory, tokenizer and generation settings included.
+        let dir = args.out.join("model");
+        write_dir_atomically(&dir, true, |d| write_transformers_dir(policy, Some(tokenizer), false, d))?;
+        saved.push("model/");
+    }
     if policy.spec.lora.is_some() {
         save_adapter(policy, &args.out.join("adapter.safetensors"))?;
         saved.push("adapter.safetensors");
-    }
-    let base_trained = policy.params.trainable().any(|p| p.kind == ParamKind::Base);
-    if base_trained {
-        let dir = args.out.join("model");
-        save_model_dir(policy, &dir)?;
-        tokenizer.save(&dir.join("tokenizer.json"))?;
-        saved.push("model/");
+        // The same adapter as a PEFT directory, over the model it was trained with.
+        let base = if base_trained { "../model".to_string() } else { args.model.model.clone() };
+        write_dir_atomically(&args.out.join("adapter"), true, |d| write_peft_dir(policy, &base, d))?;
+        saved.push("adapter/");
     }
     let summary = json!({
         "final_loss": after_train.loss,

@@ -117,6 +117,26 @@ fn score_writes_one_row_per_pair_in_input_order_and_applies_the_adapter() {
     }
     assert_eq!(rows[0]["chosen_logp"], rows[1]["chosen_logp"], "identical pairs score identically");
 
+    // The PEFT directory train-local wrote beside the file scores the same.
+    let peft = out.path().join("adapter");
+    let o = fedpo_device(&[
+        "score",
+        "--model",
+        model_dir.to_str().unwrap(),
+        "--adapter",
+        peft.to_str().unwrap(),
+        "--data",
+        pairs.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let first: Value = serde_json::from_str(String::from_utf8_lossy(&o.stdout).lines().next().unwrap()).unwrap();
+    assert_eq!(first["chosen_logp"], rows[0]["chosen_logp"], "the PEFT directory is the same adapter");
+    let config = read_json(&peft.join("adapter_config.json"));
+    assert_eq!(
+        (config["base_model_name_or_path"].as_str(), config["fan_in_fan_out"].as_bool()),
+        (Some("../model"), Some(true))
+    );
+
     // The same base without the trained adapter scores differently: the adapter is applied.
     let o = fedpo_device(&["score", "--model", model_dir.to_str().unwrap(), "--data", pairs.to_str().unwrap()]);
     assert!(o.status.success(), "{}", stderr(&o));

@@ -98,6 +98,23 @@ pub fn save_adapter(policy: &Policy, path: &Path) -> Result<()> {
     write_safetensors(path, &tensors, metadata)
 }
 
+/// Writes a loaded adapter (a fedpo file's or a PEFT directory's) as a fedpo adapter file.
+pub fn write_adapter(adapter: &SavedAdapter, path: &Path) -> Result<()> {
+    let mut tensors: Vec<(String, Tensor)> =
+        adapter.tensors.tensors.iter().map(|(name, t)| (name.clone(), t.clone())).collect();
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut metadata = HashMap::from([
+        ("format".to_string(), ADAPTER_FORMAT.to_string()),
+        ("rank".to_string(), adapter.lora.rank.to_string()),
+        ("alpha".to_string(), adapter.lora.alpha.to_string()),
+        ("targets".to_string(), adapter.lora.targets.join(",")),
+    ]);
+    if let Some(hash) = &adapter.base_hash {
+        metadata.insert("base_hash".to_string(), hash.clone());
+    }
+    write_safetensors(path, &tensors, metadata)
+}
+
 /// A saved adapter: its tensors and the settings recorded with them.
 pub struct SavedAdapter {
     /// `h.N.<module>.lora_{A,B}.weight` tensors.
