@@ -5,7 +5,7 @@
 //! a thread of this process by default, or a child `fedpo-device run` with --processes.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -133,9 +133,13 @@ fn trim_vocab(shards: &[Shard], out: &Path) -> Result<TrimmedVocab> {
     Ok(vocab)
 }
 
+mod device_processes;
+
+use device_processes::{DeviceProcess, ProcessFleet};
+
 enum Fleet {
     Threads(Vec<JoinHandle<Result<participant::ParticipantSummary, participant::ParticipantError>>>, Arc<AtomicBool>),
-    Processes(Vec<Child>),
+    Processes(ProcessFleet),
 }
 
 /// The id of the one trainer under `--method centralized`.
@@ -239,7 +243,8 @@ impl SimulateArgs {
             let bin = device_binary()?;
             let mut children = Vec::with_capacity(self.devices);
             for (k, (id, train, heldout)) in shards.iter().enumerate() {
-                let log = std::fs::File::create(devices_dir.join(format!("{id}.log")))?;
+                let log_path = devices_dir.join(format!("{id}.log"));
+                let log = std::fs::File::create(&log_path)?;
                 let mut cmd = Command::new(&bin);
                 cmd.args(["run", "--broker", &url.to_string(), "--job", &self.job.job, "--id", id]);
                 if self.data.is_some() {
@@ -281,9 +286,10 @@ impl SimulateArgs {
                 if let Some(p) = &url.password {
                     cmd.env("FEDPO_MQTT_PASSWORD", p);
                 }
-                children.push(cmd.spawn().with_context(|| format!("starting {}", bin.display()))?);
+                let child = cmd.spawn().with_context(|| format!("starting {}", bin.display()))?;
+                children.push(DeviceProcess { id: id.clone(), child, log: log_path });
             }
-            return Ok(Fleet::Processes(children));
+            return Ok(Fleet::Processes(ProcessFleet::watch(children)));
         }
         let stop = Arc::new(AtomicBool::new(false));
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -397,8 +403,17 @@ pub(crate) fn run(args: SimulateArgs) -> Result<Summary> {
     }
     let fleet = args.spawn_fleet(&url, &tls, shards, vocab)?;
     let result = server.run();
+    let failed = match &fleet {
+        Fleet::Processes(p) => p.failures(),
+        Fleet::Threads(..) => Vec::new(),
+    };
     finish_fleet(fleet, Duration::from_secs(60));
-    let summary = result?;
+    let summary = match result {
+        Err(e) if !failed.is_empty() => {
+            return Err(e.context(format!("device processes failed: {}", failed.join("; "))))
+        }
+        r => r?,
+    };
     print_table(&summary, &args.out);
     Ok(summary)
 }
@@ -419,18 +434,7 @@ fn finish_fleet(fleet: Fleet, grace: Duration) {
                 }
             }
         }
-        Fleet::Processes(mut children) => {
-            let deadline = Instant::now() + grace;
-            for c in &mut children {
-                while Instant::now() < deadline && matches!(c.try_wait(), Ok(None)) {
-                    std::thread::sleep(Duration::from_millis(50));
-                }
-                if matches!(c.try_wait(), Ok(None)) {
-                    let _ = c.kill();
-                }
-                let _ = c.wait();
-            }
-        }
+        Fleet::Processes(processes) => processes.finish(grace),
     }
 }
 
