@@ -46,7 +46,12 @@ case "$target" in
        exit 2 ;;
 esac
 case "$features" in
-    *cuda*|*metal*|*accelerate*)
+    *cuda*)
+        echo "cross/build.sh: the cuda feature is built on the Jetson itself, with JetPack's CUDA:" \
+             "cross/jetson-build.sh (docs/gpu.md). That binary needs the NVIDIA driver's libcuda.so.1" \
+             "to start at all; other boards run this script's CPU build." >&2
+        exit 2 ;;
+    *metal*|*accelerate*)
         echo "cross/build.sh: the $features feature cannot be cross-compiled: build it on the board" \
              "(docs/edge-devices.md, \"Building for a board\")" >&2
         exit 2 ;;

@@ -22,6 +22,7 @@ use serde_json::json;
 
 use fedpo_device::memory::peak_rss_mib as peak_rss_mb;
 use fedpo_device::memory::process_cpu_seconds;
+use fedpo_device::memory::{gpu_memory, gpu_peak_mib, reset_gpu_peak};
 
 #[derive(Debug, Args)]
 pub(crate) struct BenchArgs {
@@ -63,6 +64,10 @@ pub(crate) struct BenchArgs {
     /// fraction, as the peer's `--gemm` does.
     #[arg(long)]
     pub(crate) gemm: bool,
+    /// Where the step runs: cpu, cuda[:N], metal or auto (a GPU if the binary has one).
+    /// On a GPU the report adds the driver's memory figures.
+    #[arg(long, default_value = "cpu")]
+    pub(crate) device: String,
 }
 
 /// f32 matmul GFLOP/s (best and median of 10 after 2 warm-ups) at `(m, k, n)`, through
@@ -86,6 +91,7 @@ fn measure_gemm(shapes: &[(usize, usize, usize)], device: &Device) -> Result<Vec
             for (path, times) in paths.iter().zip(&mut times) {
                 let t0 = Instant::now();
                 drop(path()?);
+                device.synchronize()?;
                 times.push(t0.elapsed().as_secs_f64());
             }
         }
@@ -214,7 +220,7 @@ fn step_matmul_shapes(cfg: &Gpt2Config, rows: usize, head_rows: usize, base_trai
 pub(crate) fn run(args: BenchArgs) -> Result<()> {
     anyhow::ensure!(args.pairs > 0 && args.steps > 0, "--pairs and --steps must be at least 1");
     anyhow::ensure!(args.prompt_len > 0 && args.resp_len > 0, "--prompt-len and --resp-len must be at least 1");
-    let device = Device::Cpu;
+    let device = crate::setup::parse_device(&args.device)?;
     let config = if args.tiny { Gpt2Config::tiny() } else { Gpt2Config::distilgpt2() };
     anyhow::ensure!(
         args.prompt_len + args.resp_len <= config.n_positions,
@@ -287,11 +293,15 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
         losses.push(m.loss);
     }
     let rss_before_timed = peak_rss_mb();
+    let gpu_peak_before_timed = gpu_peak_mib(&device);
+    reset_gpu_peak(&device);
     let mut times = Vec::with_capacity(args.steps);
     let cpu_before = process_cpu_seconds();
     for _ in 0..args.steps {
         let t0 = Instant::now();
         losses.push(trainer.step(&policy, &data)?.loss);
+        // the step ends with a read of its metrics; this makes the timing not depend on it
+        device.synchronize()?;
         times.push(t0.elapsed().as_secs_f64());
         tracing::info!(
             seconds = format_args!("{:.3}", times[times.len() - 1]),
@@ -341,7 +351,15 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
         "flops_detail": { "linear": step_flops.linear, "attention": step_flops.attention,
                           "lora": step_flops.lora, "lm_head": step_flops.head },
         "achieved_gflops": flops / med / 1e9,
+        "device": device_name(&device),
     });
+    if let Some(memory) = gpu_memory(&device) {
+        // the pool's peak over the timed steps, and over model building and warm-up
+        report["gpu_peak_mib"] = json!(gpu_peak_mib(&device));
+        report["gpu_peak_mib_before_timed_steps"] = json!(gpu_peak_before_timed);
+        report["gpu_total_mib"] = json!(memory.total_mib);
+        report["gpu_in_use_mib_after"] = json!(memory.total_mib - memory.free_mib);
+    }
     if let Some((gemm, at_step_shapes)) = gemm {
         let peak = gemm[0]["gflops_best"].as_f64().unwrap_or(f64::NAN);
         let bound = flops / (peak * 1e9);
@@ -368,6 +386,14 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
     }
     println!("{}", serde_json::to_string_pretty(&report)?);
     Ok(())
+}
+
+fn device_name(device: &Device) -> String {
+    match device.location() {
+        candle_core::DeviceLocation::Cpu => "cpu".into(),
+        candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
+        candle_core::DeviceLocation::Metal { gpu_id } => format!("metal:{gpu_id}"),
+    }
 }
 
 fn rayon_threads() -> usize {

@@ -308,10 +308,11 @@ impl Participant {
         self.send(&Message::Hello(tagged(hello, &self.cfg.broker)))
     }
 
-    /// Plans the round's micro-batch under `--max-memory`, before the model is downloaded.
-    /// A model that cannot fit is an error: no later round of the job would fit either.
+    /// Plans the round's micro-batch under `--max-memory` (and on a GPU its free memory),
+    /// before the model is downloaded. A model that cannot fit is an error: no later round
+    /// of the job would fit either.
     fn fit_memory(&mut self, plan: &RoundPlan) -> Result<(), ParticipantError> {
-        let Some(budget) = self.cfg.max_memory_mib else {
+        let Some(budget) = memory::training_budget_mib(&self.cfg.compute, self.cfg.max_memory_mib) else {
             self.micro_batch_pairs = self.cfg.max_micro_batch_pairs;
             self.start_on_disk = self.cfg.start_on_disk;
             return Ok(());

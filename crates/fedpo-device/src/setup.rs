@@ -73,13 +73,22 @@ pub(crate) fn parse_device(spec: &str) -> Result<Device> {
     };
     match kind {
         "cpu" => Ok(Device::Cpu),
-        "cuda" if cfg!(feature = "cuda") => Ok(Device::new_cuda(ordinal)?),
-        "metal" if cfg!(feature = "metal") => Ok(Device::new_metal(ordinal)?),
+        "cuda" if cfg!(feature = "cuda") => Device::new_cuda(ordinal).map_err(|e| gpu_error(spec, e)),
+        "metal" if cfg!(feature = "metal") => Device::new_metal(ordinal).map_err(|e| gpu_error(spec, e)),
         "cuda" | "metal" => {
             bail!("this fedpo-device was built without `{kind}` support; rebuild with `--features {kind}`")
         }
         _ => bail!("unknown device `{spec}`; expected auto, cpu, cuda[:N] or metal"),
     }
+}
+
+/// A GPU that did not open, named, without the backtrace candle attaches to its errors.
+fn gpu_error(spec: &str, e: candle_core::Error) -> anyhow::Error {
+    let reason = match e {
+        candle_core::Error::WithBacktrace { inner, .. } => inner.to_string(),
+        other => other.to_string(),
+    };
+    anyhow::anyhow!("--device {spec}: the GPU did not open ({reason}); `--device auto` falls back to the CPU")
 }
 
 /// The fastest backend this binary was built with that answers on this machine: CUDA,

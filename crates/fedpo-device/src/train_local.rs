@@ -150,7 +150,7 @@ fn reference_set(
 pub(crate) fn run(mut args: TrainLocalArgs) -> Result<()> {
     let device = parse_device(&args.model.device)?;
     let data = args.data.load(args.model.seed)?;
-    if let Some(budget) = args.max_memory {
+    if let Some(budget) = memory::training_budget_mib(&device, args.max_memory) {
         fit_to_memory(&mut args, budget, &data, &device)?;
     }
     let (policy, tokenizer) = args.model.build(&device)?;

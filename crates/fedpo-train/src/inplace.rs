@@ -3,7 +3,8 @@
 //! Expressed as tensor ops, an SGD step on DistilGPT-2 allocates two parameter-sized
 //! temporaries (328 MB each) and copies a third, and AdamW several more; on a small device
 //! that is both time and peak memory. These kernels read the gradient once and update the
-//! destination where it lives. Off the CPU, [`crate::optim`] falls back to tensor ops.
+//! destination where it lives. On an NVIDIA GPU the device-resident step's updates run
+//! as CUDA kernels ([`crate::cuda`]); elsewhere [`crate::optim`] falls back to tensor ops.
 //!
 //! The two passes every SGD step makes over all parameters, the gradient's sum of squares
 //! and the update, run on f32 kernels compiled for the CPU's widest vectors
@@ -250,6 +251,106 @@ impl InplaceOp3 for AdamApply {
             let v_hat = v / a.bias_correction2;
             theta * (1.0 - a.lr * a.weight_decay) - a.lr * m_hat / (v_hat.sqrt() + a.eps)
         })
+    }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &mut candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> CResult<()> {
+        crate::cuda::adam_apply(self, (s1, l1), (s2, l2), (s3, l3))
+    }
+}
+
+/// The one value of a `[1]` (or scalar) tensor's CPU storage, widened to f64.
+fn scalar_of(s: &CpuStorage, l: &Layout, what: &str) -> CResult<f64> {
+    let (a, b) = range(l, what)?;
+    if b != a + 1 {
+        bail!("{what}: the clipping factor must be one value, got {}", b - a);
+    }
+    Ok(match s {
+        CpuStorage::F32(v) => f64::from(v[a]),
+        CpuStorage::F64(v) => v[a],
+        other => bail!("{what}: unsupported dtype {:?} for the clipping factor", other.dtype()),
+    })
+}
+
+/// `theta -= lr * clip * g`, with the clipping factor a one-value tensor on the device:
+/// `(theta, g, clip)`. The device-resident step's SGD update ([`crate::Optimizer::step_on_device`]).
+pub(crate) struct ClippedSgdStep {
+    pub(crate) lr: f64,
+}
+
+impl InplaceOp3 for ClippedSgdStep {
+    fn name(&self) -> &'static str {
+        "clipped-sgd-step"
+    }
+    fn cpu_fwd(
+        &self,
+        s1: &mut CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> CResult<()> {
+        let step = self.lr * scalar_of(s3, l3, self.name())?;
+        zip_storages!("clipped-sgd-step", s1, l1, [(s2, l2)], |theta, g| theta - step * g)
+    }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &mut candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> CResult<()> {
+        crate::cuda::clipped_sgd_step(self.lr, (s1, l1), (s2, l2), (s3, l3))
+    }
+}
+
+/// [`MomentUpdate`] with the clipping factor a one-value tensor: `(m, g, clip)`.
+pub(crate) struct ClippedMomentUpdate {
+    pub(crate) beta: f64,
+    pub(crate) square: bool,
+}
+
+impl InplaceOp3 for ClippedMomentUpdate {
+    fn name(&self) -> &'static str {
+        "clipped-moment-update"
+    }
+    fn cpu_fwd(
+        &self,
+        s1: &mut CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> CResult<()> {
+        let (beta, scale, square) = (self.beta, scalar_of(s3, l3, self.name())?, self.square);
+        zip_storages!("clipped-moment-update", s1, l1, [(s2, l2)], |m, g| {
+            let g = g * scale;
+            beta * m + (1.0 - beta) * if square { g * g } else { g }
+        })
+    }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &mut candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> CResult<()> {
+        crate::cuda::clipped_moment_update(self.beta, self.square, (s1, l1), (s2, l2), (s3, l3))
     }
 }
 

@@ -1,10 +1,13 @@
 //! DPO training for fedpo: the loss family, response log-probs, reference caching,
 //! optimizers with persistent state, and the local trainer every device runs.
 
+#[cfg(feature = "cuda")]
+mod cuda;
 mod error;
 mod inplace;
 pub mod logps;
 pub mod loss;
+pub mod loss_on_device;
 pub mod optim;
 pub mod reference;
 pub mod terms;

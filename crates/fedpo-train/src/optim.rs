@@ -13,7 +13,10 @@ use fedpo_model::io::{read_safetensors, write_safetensors};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, TrainError};
-use crate::inplace::{cpu_sum_of_squares, AdamApply, MomentUpdate, SgdStep, SgdStepSummingSquares};
+use crate::inplace::{
+    cpu_sum_of_squares, AdamApply, ClippedMomentUpdate, ClippedSgdStep, MomentUpdate, SgdStep, SgdStepSummingSquares,
+};
+use crate::loss_on_device::global_norm_on_device;
 
 /// The update rule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -86,6 +89,21 @@ pub struct Optimizer {
     moments: HashMap<String, Moments>,
 }
 
+/// One AdamW update of `var` from its (already clipped) gradient with candle's ops, where
+/// the in-place CPU kernels do not apply.
+fn adamw_composed(c: &OptimConfig, t: i32, var: &Var, mo: &mut Moments, g: &Tensor) -> Result<()> {
+    let (bc1, bc2) = (1.0 - c.beta1.powi(t), 1.0 - c.beta2.powi(t));
+    let theta = var.as_tensor();
+    let m = ((mo.m.as_tensor() * c.beta1)? + (g * (1.0 - c.beta1))?)?;
+    let v = ((mo.v.as_tensor() * c.beta2)? + (g.sqr()? * (1.0 - c.beta2))?)?;
+    let update = ((&m / bc1)? / ((&v / bc2)?.sqrt()? + c.eps)?)?;
+    let decayed = (theta * (1.0 - c.lr * c.weight_decay))?;
+    var.set(&(decayed - (update * c.lr)?)?)?;
+    mo.m.set(&m)?;
+    mo.v.set(&v)?;
+    Ok(())
+}
+
 /// L2 norm over a set of gradients.
 pub fn global_norm<'a>(grads: impl IntoIterator<Item = &'a Tensor>) -> Result<f64> {
     let mut sq = 0.0;
@@ -105,6 +123,18 @@ fn in_place_ok(theta: &Tensor, g: &Tensor) -> bool {
         && g.is_contiguous()
         && theta.dtype() == g.dtype()
         && matches!(theta.dtype(), candle_core::DType::F32 | candle_core::DType::F64)
+}
+
+/// Whether the device-resident step's in-place kernels can update this parameter: f32 or
+/// f64 on the CPU (the reference, which tests run), f32 on an NVIDIA GPU in a `cuda` build.
+fn in_place_on_device(theta: &Tensor, g: &Tensor) -> bool {
+    use candle_core::{DType, Device};
+    let kernel = match theta.device() {
+        Device::Cpu => matches!(theta.dtype(), DType::F32 | DType::F64),
+        Device::Cuda(_) => cfg!(feature = "cuda") && theta.dtype() == DType::F32,
+        Device::Metal(_) => false,
+    };
+    kernel && theta.is_contiguous() && g.is_contiguous() && theta.dtype() == g.dtype()
 }
 
 impl Optimizer {
@@ -167,19 +197,82 @@ impl Optimizer {
             match self.cfg.kind {
                 OptimKind::Sgd if fast => theta.inplace_op2(g, &SgdStep { step: self.cfg.lr * clip })?,
                 OptimKind::Sgd => var.set(&(theta - (g * (self.cfg.lr * clip))?)?)?,
+                OptimKind::Adamw if !fast => {
+                    let moments = Self::moments_of(&mut self.moments, name, theta)?;
+                    adamw_composed(&self.cfg, t, var, moments, &(g * clip)?)?
+                }
                 OptimKind::Adamw => {
                     let c = self.cfg;
-                    let mo = match self.moments.entry(name.to_string()) {
-                        std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-                        std::collections::hash_map::Entry::Vacant(e) => e.insert(Moments {
-                            m: Var::zeros(theta.shape(), theta.dtype(), theta.device())?,
-                            v: Var::zeros(theta.shape(), theta.dtype(), theta.device())?,
-                        }),
-                    };
+                    let mo = Self::moments_of(&mut self.moments, name, theta)?;
                     let (bc1, bc2) = (1.0 - c.beta1.powi(t), 1.0 - c.beta2.powi(t));
-                    if fast {
-                        mo.m.as_tensor().inplace_op2(g, &MomentUpdate { beta: c.beta1, scale: clip, square: false })?;
-                        mo.v.as_tensor().inplace_op2(g, &MomentUpdate { beta: c.beta2, scale: clip, square: true })?;
+                    mo.m.as_tensor().inplace_op2(g, &MomentUpdate { beta: c.beta1, scale: clip, square: false })?;
+                    mo.v.as_tensor().inplace_op2(g, &MomentUpdate { beta: c.beta2, scale: clip, square: true })?;
+                    let apply = AdamApply {
+                        lr: c.lr,
+                        weight_decay: c.weight_decay,
+                        bias_correction1: bc1,
+                        bias_correction2: bc2,
+                        eps: c.eps,
+                    };
+                    theta.inplace_op3(mo.m.as_tensor(), mo.v.as_tensor(), &apply)?;
+                }
+            }
+        }
+        Ok(norm)
+    }
+
+    /// [`Optimizer::step`] without reading anything back to the host, for a model on a GPU:
+    /// the norm, the clipping factor and the updates stay on the device, and the norm comes
+    /// back as a scalar tensor (`None` when no parameter has a gradient) for the caller to
+    /// read with the step's other metrics.
+    ///
+    /// A non-finite norm is therefore found after the update, not before: the caller
+    /// reports it, and the parameters, which then hold the non-finite update, are to be
+    /// discarded, as a device discards a failed round.
+    pub fn step_on_device(
+        &mut self,
+        params: &[(&str, &Var)],
+        grads: &HashMap<String, Tensor>,
+    ) -> Result<Option<Tensor>> {
+        let Some(norm) = global_norm_on_device(params.iter().filter_map(|(n, _)| grads.get(*n)))? else {
+            self.step += 1;
+            return Ok(None);
+        };
+        // min(1, max_norm / norm) as a one-value tensor: 1 for a zero norm, whose
+        // reciprocal is infinite, and 1 without clipping
+        let clip = match self.cfg.max_grad_norm {
+            Some(c) => (norm.recip()? * c)?.minimum(1.0)?.reshape(1)?,
+            None => Tensor::ones(1, norm.dtype(), norm.device())?,
+        };
+        let mut clip_as: Vec<Tensor> = Vec::new();
+        self.step += 1;
+        let t = self.step as i32;
+        let c = self.cfg;
+        for (name, var) in params {
+            let Some(g) = grads.get(*name) else { continue };
+            let theta = var.as_tensor();
+            // the factor in the parameter's dtype, converted once per dtype
+            let clip = match clip_as.iter().find(|x| x.dtype() == theta.dtype()) {
+                Some(x) => x.clone(),
+                None => {
+                    clip_as.push(clip.to_dtype(theta.dtype())?);
+                    clip_as[clip_as.len() - 1].clone()
+                }
+            };
+            let in_place = in_place_on_device(theta, g);
+            match self.cfg.kind {
+                OptimKind::Sgd if in_place => theta.inplace_op3(g, &clip, &ClippedSgdStep { lr: c.lr })?,
+                OptimKind::Sgd => var.set(&(theta - g.broadcast_mul(&(clip * c.lr)?)?)?)?,
+                OptimKind::Adamw => {
+                    let mo = Self::moments_of(&mut self.moments, name, theta)?;
+                    if in_place {
+                        let (bc1, bc2) = (1.0 - c.beta1.powi(t), 1.0 - c.beta2.powi(t));
+                        mo.m.as_tensor().inplace_op3(
+                            g,
+                            &clip,
+                            &ClippedMomentUpdate { beta: c.beta1, square: false },
+                        )?;
+                        mo.v.as_tensor().inplace_op3(g, &clip, &ClippedMomentUpdate { beta: c.beta2, square: true })?;
                         let apply = AdamApply {
                             lr: c.lr,
                             weight_decay: c.weight_decay,
@@ -189,19 +282,26 @@ impl Optimizer {
                         };
                         theta.inplace_op3(mo.m.as_tensor(), mo.v.as_tensor(), &apply)?;
                     } else {
-                        let g = (g * clip)?;
-                        let m = ((mo.m.as_tensor() * c.beta1)? + (&g * (1.0 - c.beta1))?)?;
-                        let v = ((mo.v.as_tensor() * c.beta2)? + (g.sqr()? * (1.0 - c.beta2))?)?;
-                        let update = ((&m / bc1)? / ((&v / bc2)?.sqrt()? + c.eps)?)?;
-                        let decayed = (theta * (1.0 - c.lr * c.weight_decay))?;
-                        var.set(&(decayed - (update * c.lr)?)?)?;
-                        mo.m.set(&m)?;
-                        mo.v.set(&v)?;
+                        adamw_composed(&self.cfg, t, var, mo, &g.broadcast_mul(&clip)?)?
                     }
                 }
             }
         }
-        Ok(norm)
+        Ok(Some(norm))
+    }
+
+    fn moments_of<'m>(
+        moments: &'m mut HashMap<String, Moments>,
+        name: &str,
+        theta: &Tensor,
+    ) -> Result<&'m mut Moments> {
+        Ok(match moments.entry(name.to_string()) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => e.insert(Moments {
+                m: Var::zeros(theta.shape(), theta.dtype(), theta.device())?,
+                v: Var::zeros(theta.shape(), theta.dtype(), theta.device())?,
+            }),
+        })
     }
 
     /// Saves the step count and the moments of the named parameters (e.g. only the private

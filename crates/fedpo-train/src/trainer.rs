@@ -18,6 +18,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Result, TrainError};
 use crate::logps::{sequence_logps, sequence_logps_values, BatchTensors};
 use crate::loss::{check_loss_settings, preference_loss, LossKind, PairLogps};
+use crate::loss_on_device::{preference_loss_on_device, read_values, StepTotals};
 use crate::optim::{OptimConfig, Optimizer};
 use crate::reference::SequenceLogps;
 use crate::terms::{add_scaled, LocalTerms};
@@ -95,6 +96,8 @@ struct Totals {
     correct: usize,
     margin: f64,
     pairs: usize,
+    /// What micro-batches evaluated on the device added, not yet read.
+    on_device: StepTotals,
 }
 
 fn loss_on_chunk(
@@ -120,6 +123,18 @@ fn loss_on_chunk(
     )
 }
 
+/// The micro-batch's reference log-probs (chosen, then rejected) beside `logps`: f64 for an
+/// f64 model, else f32, converted on the host (Metal has no f64).
+fn reference_tensor(refs: &(Vec<f64>, Vec<f64>), logps: &Tensor) -> Result<Tensor> {
+    let values = refs.0.iter().chain(&refs.1);
+    let t = if logps.dtype() == candle_core::DType::F64 {
+        Tensor::from_vec(values.copied().collect::<Vec<f64>>(), logps.dims(), logps.device())?
+    } else {
+        Tensor::from_vec(values.map(|&v| v as f32).collect::<Vec<f32>>(), logps.dims(), logps.device())?
+    };
+    Ok(t.to_dtype(logps.dtype())?)
+}
+
 /// Trains a policy on one device's pairs.
 pub struct LocalTrainer {
     settings: DpoSettings,
@@ -128,6 +143,9 @@ pub struct LocalTrainer {
     order: Vec<usize>,
     cursor: usize,
     terms: LocalTerms,
+    /// Whether a step keeps its loss and norm on the model's device ([`crate::loss_on_device`]);
+    /// `None`: off the CPU only.
+    on_device: Option<bool>,
 }
 
 impl LocalTrainer {
@@ -141,7 +159,21 @@ impl LocalTrainer {
             order: Vec::new(),
             cursor: 0,
             terms: LocalTerms::default(),
+            on_device: None,
         })
+    }
+
+    /// Keeps each step's loss, gradient norm and clipping on the model's device, with one
+    /// read of the step's metrics at its end (`true`), or evaluates the loss on the host
+    /// in f64 per micro-batch (`false`). By default a model on the CPU uses the host path
+    /// and any other the device path; forcing it lets tests compare the two on the CPU.
+    pub fn with_step_on_device(mut self, on: bool) -> Self {
+        self.on_device = Some(on);
+        self
+    }
+
+    fn step_on_device(&self, policy: &Policy) -> bool {
+        self.on_device.unwrap_or_else(|| !policy.model_device().is_cpu())
     }
 
     /// The optimizer, e.g. to save or restore its state.
@@ -191,6 +223,7 @@ impl LocalTrainer {
         let (dtype, device) = (policy.model_dtype(), policy.model_device());
         let mut grads: HashMap<String, Tensor> = HashMap::new();
         let mut totals = Totals::default();
+        let on_device = self.step_on_device(policy);
         let passes = indices.len().div_ceil(self.settings.micro_batch_pairs);
         for (pass, chunk) in indices.chunks(self.settings.micro_batch_pairs).enumerate() {
             let pairs: Vec<TokenizedPair> = chunk.iter().map(|&i| data.pairs[i].clone()).collect();
@@ -198,15 +231,34 @@ impl LocalTrainer {
                 chunk.iter().map(|&i| (data.reference.chosen[i], data.reference.rejected[i])).unzip();
             let batch = BatchTensors::new(&collate(&pairs.iter().collect::<Vec<_>>(), self.settings.pad_id), policy)?;
             let logps = sequence_logps(policy, &batch)?;
-            let values: Vec<f64> = logps.detach().to_dtype(candle_core::DType::F64)?.to_vec1()?;
-            let out = loss_on_chunk(&self.settings, &values, &pairs, (&refs.0, &refs.1));
-            if !out.loss_sum.is_finite() {
-                return Err(TrainError::NonFinite { what: "loss", step: self.optimizer.steps_taken() + 1 });
-            }
             // Surrogate whose gradient is d(mean loss over the whole step)/d(params).
             let scale = 1.0 / indices.len() as f64;
-            let coeffs: Vec<f64> = out.grad_chosen.iter().chain(&out.grad_rejected).map(|g| g * scale).collect();
-            let coeffs = Tensor::from_vec(coeffs, logps.dims(), &device)?.to_dtype(dtype)?;
+            let coeffs = if on_device {
+                let reference = reference_tensor(&refs, &logps)?;
+                let lens: Vec<usize> =
+                    pairs.iter().map(|x| x.chosen.len()).chain(pairs.iter().map(|x| x.rejected.len())).collect();
+                let out = preference_loss_on_device(
+                    self.settings.loss,
+                    self.settings.beta,
+                    &logps.detach(),
+                    &reference,
+                    &lens,
+                )?;
+                totals.on_device.add(&out.totals, chunk.len())?;
+                (out.grad * scale)?.to_dtype(dtype)?
+            } else {
+                let values: Vec<f64> = logps.detach().to_dtype(candle_core::DType::F64)?.to_vec1()?;
+                let out = loss_on_chunk(&self.settings, &values, &pairs, (&refs.0, &refs.1));
+                if !out.loss_sum.is_finite() {
+                    return Err(TrainError::NonFinite { what: "loss", step: self.optimizer.steps_taken() + 1 });
+                }
+                totals.loss += out.loss_sum;
+                totals.correct += out.correct;
+                totals.margin += out.margin_sum;
+                totals.pairs += chunk.len();
+                let coeffs: Vec<f64> = out.grad_chosen.iter().chain(&out.grad_rejected).map(|g| g * scale).collect();
+                Tensor::from_vec(coeffs, logps.dims(), &device)?.to_dtype(dtype)?
+            };
             // The model sums the gradients it buffers itself (the embedding's and the
             // blocks') over the passes; the rest is summed here.
             let surrogate = (logps * coeffs)?.sum_all()?;
@@ -222,10 +274,6 @@ impl LocalTrainer {
                     grads.insert(name.to_string(), acc);
                 }
             }
-            totals.loss += out.loss_sum;
-            totals.correct += out.correct;
-            totals.margin += out.margin_sum;
-            totals.pairs += chunk.len();
         }
         Ok((grads, totals))
     }
@@ -237,7 +285,7 @@ impl LocalTrainer {
         }
         let start = Instant::now();
         let indices = self.next_indices(data.pairs.len(), self.settings.batch_pairs);
-        let (mut grads, totals) = self.gradient(policy, data, &indices)?;
+        let (mut grads, mut totals) = self.gradient(policy, data, &indices)?;
         let mut penalty = 0.0;
         if let Some(scaffold) = self.terms.scaffold.as_mut() {
             scaffold.observe(&grads)?;
@@ -257,7 +305,12 @@ impl LocalTrainer {
         }
         let trainable: Vec<(&str, &Var)> =
             policy.params.trainable().filter_map(|p| p.var().map(|v| (p.name.as_str(), v))).collect();
-        let grad_norm = self.optimizer.step(&trainable, &grads)?;
+        let grad_norm = if self.step_on_device(policy) {
+            let norm = self.optimizer.step_on_device(&trainable, &grads)?;
+            self.read_step_metrics(policy, &mut totals, norm)?
+        } else {
+            self.optimizer.step(&trainable, &grads)?
+        };
         let n = totals.pairs as f64;
         Ok(StepMetrics {
             step: self.optimizer.steps_taken(),
@@ -268,6 +321,30 @@ impl LocalTrainer {
             penalty,
             seconds: start.elapsed().as_secs_f64(),
         })
+    }
+
+    /// The step's one read from the device: the loss totals and the gradient norm,
+    /// checked for being finite (after the update, see [`Optimizer::step_on_device`]).
+    fn read_step_metrics(&self, policy: &Policy, totals: &mut Totals, norm: Option<Tensor>) -> Result<f64> {
+        let sums = totals.on_device.sums(&policy.model_device())?;
+        let mut read = vec![sums.clone()];
+        if let Some(norm) = norm {
+            read.push(norm.to_dtype(sums.dtype())?.unsqueeze(0)?);
+        }
+        let values = read_values(&Tensor::cat(&read, 0)?)?;
+        let step = self.optimizer.steps_taken();
+        if !values[0].is_finite() {
+            return Err(TrainError::NonFinite { what: "loss", step });
+        }
+        totals.loss += values[0];
+        totals.correct += values[1].round() as usize;
+        totals.margin += values[2];
+        totals.pairs += totals.on_device.pairs();
+        let norm = values.get(3).copied().unwrap_or(0.0);
+        if !norm.is_finite() {
+            return Err(TrainError::NonFinite { what: "gradient norm", step });
+        }
+        Ok(norm)
     }
 
     /// The full-data gradient at the current parameters (no update): the per-device

@@ -1,13 +1,16 @@
 //! Memory on small devices: what training will take ([`footprint`]) and what generating
-//! will ([`generation_estimate`]), fitting training into a budget ([`planner`]), and what the process actually used (its peak memory, and the CPU
-//! time the benchmark compares with its wall time).
+//! will ([`generation_estimate`]), fitting training into a budget ([`planner`]), what the
+//! GPU's driver reports ([`gpu_memory`]), and what the process actually used (its peak
+//! memory, and the CPU time the benchmark compares with its wall time).
 
 pub mod footprint;
 mod generation;
+mod gpu;
 pub mod planner;
 
 pub use footprint::{Estimate, ParamCounts, StepKernels, Workload, SAFETY_MARGIN, TOKENIZER_MIB};
 pub use generation::{generation_estimate, GenerationEstimate};
+pub use gpu::{gpu_memory, gpu_peak_mib, reset_gpu_peak, training_budget_mib, GpuMemory, GPU_RESERVE_MIB};
 pub use planner::{longest, plan, MemoryPlan, PlanError, PlanRequest, StartOnDisk};
 
 /// This process's resource usage so far (all its threads).

@@ -365,7 +365,7 @@ pub fn forked_self_attention_composed(
     let probs = if forks.is_none() {
         super::causal_softmax(&scores, scale)?
     } else {
-        let mask = Tensor::from_vec(forks.mask(b, t), (b, 1, t, t), scores.device())?.to_dtype(scores.dtype())?;
+        let mask = super::masks::forked(forks, b, t, scores.dtype(), scores.device())?;
         super::softmax_composed(&(scores * scale)?.broadcast_add(&mask)?)?
     };
     probs.to_dtype(v.dtype())?.matmul(&v)?.transpose(1, 2)?.reshape((rows, d))

@@ -73,6 +73,11 @@ impl Forks {
         self.0.as_ref().and_then(|f| f.get(b).copied())
     }
 
+    /// The forks, shared, to key a cache with.
+    pub(crate) fn shared(&self) -> Option<Arc<[Fork]>> {
+        self.0.clone()
+    }
+
     /// How many sequences the forks describe (0 for none).
     pub fn len(&self) -> usize {
         self.0.as_ref().map_or(0, |f| f.len())

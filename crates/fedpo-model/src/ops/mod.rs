@@ -44,6 +44,8 @@ macro_rules! map_float_storage {
 
 mod attention;
 mod block;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod dense;
 mod fast_math;
 mod fork;
@@ -52,6 +54,7 @@ mod gelu;
 mod head_logprobs;
 mod layer_norm;
 mod linear;
+mod masks;
 mod matmul_frozen;
 mod matvec;
 pub mod multiversion;

@@ -113,9 +113,7 @@ pub fn causal_softmax(scores: &Tensor, scale: f64) -> CResult<Tensor> {
         return scores.contiguous()?.apply_op1(Softmax { scale, causal: true });
     }
     let t = scores.dim(candle_core::D::Minus1)?;
-    let mask: Vec<f32> =
-        (0..t).flat_map(|i| (0..t).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY })).collect();
-    let mask = Tensor::from_vec(mask, (t, t), scores.device())?.to_dtype(scores.dtype())?;
+    let mask = super::masks::causal(t, scores.dtype(), scores.device())?;
     super::softmax_composed(&(scores * scale)?.broadcast_add(&mask)?)
 }
 

@@ -2,7 +2,9 @@
 //!
 //! The `[tokens x vocab]` grid is read twice and written once in backward instead of
 //! materialised five times by the composed ops. f32 rows run on the vectorised
-//! [`exp_f32`] with lane sums; f64 keeps libm as the reference.
+//! [`exp_f32`] with lane sums; f64 keeps libm as the reference. On an NVIDIA GPU the same
+//! two passes are CUDA kernels ([`super::cuda`]), so the logits' gradient is the only
+//! vocabulary-sized tensor backward makes there too.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Tensor, WithDType};
@@ -106,6 +108,17 @@ impl CustomOp2 for TokenLogProbs {
         Ok((out, Shape::from(rows)))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> CResult<(candle_core::CudaStorage, Shape)> {
+        super::cuda::token_logprobs(s1, l1, s2, l2)
+    }
+
     fn bwd(
         &self,
         logits: &Tensor,
@@ -164,13 +177,36 @@ impl CustomOp3 for TokenLogProbsGrad {
         ));
         Ok((out, l1.shape().clone()))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> CResult<(candle_core::CudaStorage, Shape)> {
+        super::cuda::token_logprobs_grad(s1, l1, s2, l2, s3, l3)
+    }
 }
 
 /// `log softmax(logits)[i, targets[i]]` for `logits: [N, V]` and `targets: [N]` (u32).
 pub fn token_logprobs(logits: &Tensor, targets: &Tensor) -> CResult<Tensor> {
-    if logits.device().is_cpu() && full_precision(logits) {
+    if fused_on(logits) {
         logits.contiguous()?.apply_op2(&targets.contiguous()?, TokenLogProbs)
     } else {
         log_softmax_last_dim(logits)?.gather(&targets.unsqueeze(1)?, 1)?.squeeze(1)
+    }
+}
+
+/// Whether the fused op has a kernel for these logits: f32 or f64 on the CPU, f32 on an
+/// NVIDIA GPU (`kernels/token_logprobs.cu`, in a `cuda` build). The rest is composed.
+fn fused_on(logits: &Tensor) -> bool {
+    match logits.device() {
+        candle_core::Device::Cpu => full_precision(logits),
+        candle_core::Device::Cuda(_) => cfg!(feature = "cuda") && logits.dtype() == candle_core::DType::F32,
+        candle_core::Device::Metal(_) => false,
     }
 }
