@@ -90,7 +90,7 @@ if $test_mode; then
     # under emulation is hundreds of times slower, so the numerics-heavy integration tests
     # stay on the host.
     exec cargo test --target "$target" "${feature_args[@]}" --lib --bins \
-        -p fedpo-wire -p fedpo-data -p fedpo-model -p fedpo-train -p fedpo-device
+        -p fedpo-wire -p fedpo-data -p fedpo-process -p fedpo-model -p fedpo-train -p fedpo-device
 fi
 
 started=$(date +%s)

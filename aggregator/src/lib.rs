@@ -147,13 +147,13 @@ where
         // every step: without this each step page-faults them back in (a quarter of a
         // DistilGPT-2 round's CPU went to zeroing fresh pages).
         Command::Simulate(args) => {
-            fedpo_device::allocator::keep_freed_memory_in_heap();
-            fedpo_device::allocator::share_one_arena();
+            fedpo_process::allocator::keep_freed_memory_in_heap();
+            fedpo_process::allocator::share_one_arena();
             simulate::run(args).map(|_| ())
         }
         Command::Experiment(args) => {
-            fedpo_device::allocator::keep_freed_memory_in_heap();
-            fedpo_device::allocator::share_one_arena();
+            fedpo_process::allocator::keep_freed_memory_in_heap();
+            fedpo_process::allocator::share_one_arena();
             experiment::run(args)
         }
         Command::BenchFleet(args) => fleet_bench::run(args),

@@ -1,10 +1,10 @@
 //! `fedpo-aggregator`: see the library's [`fedpo_aggregator::run_cli`].
 
-use fedpo_device::logging;
+use fedpo_process::logging;
 
 fn main() {
     // In-process devices train here too (simulate, experiment).
-    fedpo_device::threads::park_idle_candle_workers_quickly();
+    fedpo_process::threads::park_idle_candle_workers_quickly();
     let args: Vec<_> = std::env::args_os().collect();
     logging::init(fedpo_aggregator::default_log_level(&args));
     if let Err(e) = fedpo_aggregator::run_cli(args) {

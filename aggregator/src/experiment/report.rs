@@ -124,8 +124,8 @@ pub(crate) fn write_csvs(out: &Path, runs: &[RunResult]) -> Result<()> {
             }
         }
     }
-    fedpo_model::io::write_atomic(&out.join("results.csv"), rounds.as_bytes())?;
-    fedpo_model::io::write_atomic(&out.join("devices.csv"), devices.as_bytes())?;
+    fedpo_process::files::write_atomic(&out.join("results.csv"), rounds.as_bytes())?;
+    fedpo_process::files::write_atomic(&out.join("devices.csv"), devices.as_bytes())?;
     Ok(())
 }
 
@@ -229,8 +229,8 @@ pub(crate) fn write_summary(out: &Path, cells: &[CellSummary]) -> Result<String>
         "\n¹ 1 − (mean κ² over the last quarter of the measured rounds) / (κ² of round 1); – with one participant.\n",
     );
     md.push_str("² The held-out accuracy of each device's true utility, mean over devices (drawn personas only).\n");
-    fedpo_model::io::write_atomic(&out.join("summary.csv"), csv.as_bytes())?;
-    fedpo_model::io::write_atomic(&out.join("summary.md"), md.as_bytes())?;
+    fedpo_process::files::write_atomic(&out.join("summary.csv"), csv.as_bytes())?;
+    fedpo_process::files::write_atomic(&out.join("summary.md"), md.as_bytes())?;
     Ok(md)
 }
 

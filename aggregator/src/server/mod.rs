@@ -274,9 +274,9 @@ impl Server {
         summary.bytes_down_total = self.state.bytes_down;
         summary.seconds = self.started.elapsed().as_secs_f64();
         summary.global_digest = self.state.global_digest.clone();
-        summary.peak_rss_mib = fedpo_device::memory::peak_rss_mib();
+        summary.peak_rss_mib = fedpo_process::usage::peak_rss_mib();
         let path = self.out.join("summary.json");
-        fedpo_model::io::write_atomic(&path, &serde_json::to_vec_pretty(&summary)?)?;
+        fedpo_process::files::write_atomic(&path, &serde_json::to_vec_pretty(&summary)?)?;
         match crate::plots::read_records(&self.out)
             .and_then(|records| crate::plots::write_plots(&self.out, self.job.method.name(), &records))
         {

@@ -20,9 +20,9 @@ use fedpo_train::{score_pairs, DpoSettings, LocalTrainer, LossKind, OptimConfig,
 use rand::{Rng, SeedableRng};
 use serde_json::json;
 
-use fedpo_device::memory::peak_rss_mib as peak_rss_mb;
-use fedpo_device::memory::process_cpu_seconds;
 use fedpo_device::memory::{gpu_memory, gpu_peak_mib, reset_gpu_peak};
+use fedpo_process::usage::peak_rss_mib as peak_rss_mb;
+use fedpo_process::usage::process_cpu_seconds;
 
 #[derive(Debug, Args)]
 pub(crate) struct BenchArgs {

@@ -20,7 +20,7 @@ use fedpo_model::{
 use rand::{Rng, SeedableRng};
 use serde_json::json;
 
-use fedpo_device::memory::peak_rss_mib;
+use fedpo_process::usage::peak_rss_mib;
 
 use crate::setup::parse_device;
 

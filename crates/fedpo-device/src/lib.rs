@@ -5,13 +5,10 @@
 //! the received global model with its private adapter and uploads only the shared delta.
 
 pub mod adversary;
-pub mod allocator;
 mod local_terms;
-pub mod logging;
 pub mod memory;
 pub mod participant;
 mod round;
 mod state_dir;
 
 pub use state_dir::{read_latest_model, LatestModel};
-pub mod threads;

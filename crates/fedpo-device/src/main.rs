@@ -20,7 +20,7 @@ mod train_local;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
-use fedpo_device::logging;
+use fedpo_process::logging;
 
 #[derive(Parser)]
 #[command(name = "fedpo-device", version, about = "fedpo edge device: local DPO training, scoring and benchmarks")]
@@ -57,8 +57,8 @@ enum Command {
 }
 
 fn main() {
-    fedpo_device::threads::park_idle_candle_workers_quickly();
-    fedpo_device::allocator::keep_freed_memory_in_heap();
+    fedpo_process::threads::park_idle_candle_workers_quickly();
+    fedpo_process::allocator::keep_freed_memory_in_heap();
     logging::init("info");
     if let Err(e) = run_command() {
         logging::exit_with(&e);

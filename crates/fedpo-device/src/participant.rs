@@ -300,7 +300,7 @@ impl Participant {
             device: self.cfg.id.clone(),
             pairs: self.train.len() as u64,
             backend: format!("{:?}", self.cfg.compute).to_lowercase(),
-            memory_mb: self.cfg.max_memory_mib.or_else(memory::available_mib).unwrap_or(0),
+            memory_mb: self.cfg.max_memory_mib.or_else(fedpo_process::usage::available_mib).unwrap_or(0),
             instance: self.instance,
             connection: self.connection,
             tag: Vec::new(),

@@ -15,9 +15,9 @@ use fedpo_train::{
 use fedpo_wire::{keys, Limits, RoundPlan, TensorPayload, UpdateMetrics};
 
 use crate::local_terms::{save_control, shared_anchor, terms_for};
-use crate::memory::peak_rss_mib;
 use crate::participant::ParticipantError;
 use crate::state_dir::{Progress, StateDir, REFERENCE_MODEL};
+use fedpo_process::usage::peak_rss_mib;
 
 /// The scratch file of a round whose starting model waits on disk.
 const START_FILE: &str = "round-start.f32";

@@ -10,8 +10,8 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use clap::Args;
 use fedpo_data::{load_jsonl, DataFormat};
-use fedpo_model::io::write_atomic;
 use fedpo_model::PartitionPreset;
+use fedpo_process::files::write_atomic;
 use fedpo_train::score_pairs;
 use serde_json::json;
 

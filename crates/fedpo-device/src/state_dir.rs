@@ -33,7 +33,8 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor};
-use fedpo_model::io::{read_safetensors, rewrite_in_place_with, write_atomic, write_safetensors};
+use fedpo_model::io::{read_safetensors, write_safetensors};
+use fedpo_process::files::{rewrite_in_place_with, write_atomic};
 use fedpo_wire::{Residual, TransferChunk, Update};
 use serde::{Deserialize, Serialize};
 

@@ -8,11 +8,13 @@ use anyhow::{Context, Result};
 use candle_core::Device;
 use clap::Args;
 use fedpo_data::fingerprint;
-use fedpo_device::memory::{self, longest, peak_rss_mib, PlanRequest, StepKernels};
+use fedpo_device::memory::{self, longest, PlanRequest, StepKernels};
 use fedpo_model::checkpoint::save_adapter;
 use fedpo_model::export::{write_dir_atomically, write_peft_dir, write_transformers_dir};
-use fedpo_model::io::{hash_tensors, write_atomic};
+use fedpo_model::io::hash_tensors;
 use fedpo_model::{ParamKind, ParamRole, Partition, Policy};
+use fedpo_process::files::write_atomic;
+use fedpo_process::usage::peak_rss_mib;
 use fedpo_train::{
     evaluate, load_or_score_pairs, score_pairs, DpoSettings, EvalMetrics, LocalTrainer, LossKind, OptimConfig,
     OptimKind, PreferenceSet,

@@ -14,7 +14,9 @@ use candle_core::{Device, Tensor};
 
 use crate::config::Gpt2Config;
 use crate::error::{ModelError, Result};
-use crate::io::{hash_tensors, read_safetensors, write_atomic, write_safetensors};
+use fedpo_process::files::write_atomic;
+
+use crate::io::{hash_tensors, read_safetensors, write_safetensors};
 use crate::lora::LoraConfig;
 use crate::params::{ParamKind, ParamRole};
 use crate::policy::Policy;

@@ -92,3 +92,9 @@ impl ModelError {
         Self::Io { path: path.into(), source }
     }
 }
+
+impl From<fedpo_process::FileError> for ModelError {
+    fn from(e: fedpo_process::FileError) -> Self {
+        Self::Io { path: e.path, source: e.source }
+    }
+}

@@ -13,7 +13,9 @@ use serde_json::json;
 
 use crate::checkpoint::{base_hash, SavedAdapter};
 use crate::error::{ModelError, Result};
-use crate::io::{read_safetensors, write_atomic, write_safetensors};
+use fedpo_process::files::write_atomic;
+
+use crate::io::{read_safetensors, write_safetensors};
 use crate::lora::LoraConfig;
 use crate::params::ParamKind;
 use crate::policy::Policy;
@@ -217,7 +219,7 @@ pub fn load_peft_dir(dir: &Path, device: &Device) -> Result<SavedAdapter> {
 fn write_json(path: &Path, value: &serde_json::Value) -> Result<()> {
     let bytes =
         serde_json::to_vec_pretty(value).map_err(|source| ModelError::Json { path: path.to_path_buf(), source })?;
-    write_atomic(path, &bytes)
+    Ok(write_atomic(path, &bytes)?)
 }
 
 #[cfg(test)]
@@ -228,8 +230,8 @@ mod tests {
     fn a_directory_is_replaced_only_with_force_and_only_once_the_new_one_is_whole() {
         let root = tempfile::tempdir().unwrap();
         let dir = root.path().join("out");
-        write_dir_atomically(&dir, false, |d| write_atomic(&d.join("a"), b"1")).unwrap();
-        let err = write_dir_atomically(&dir, false, |d| write_atomic(&d.join("a"), b"2")).unwrap_err().to_string();
+        write_dir_atomically(&dir, false, |d| Ok(write_atomic(&d.join("a"), b"1")?)).unwrap();
+        let err = write_dir_atomically(&dir, false, |d| Ok(write_atomic(&d.join("a"), b"2")?)).unwrap_err().to_string();
         assert!(err.contains("--force"), "{err}");
         // A fill that fails leaves the old directory as it was, and no staging behind.
         let failed = write_dir_atomically(&dir, true, |d| {
@@ -238,7 +240,7 @@ mod tests {
         });
         assert!(failed.is_err());
         assert_eq!(std::fs::read(dir.join("a")).unwrap(), b"1");
-        write_dir_atomically(&dir, true, |d| write_atomic(&d.join("b"), b"4")).unwrap();
+        write_dir_atomically(&dir, true, |d| Ok(write_atomic(&d.join("b"), b"4")?)).unwrap();
         assert!(!dir.join("a").exists() && dir.join("b").exists());
         assert_eq!(std::fs::read_dir(root.path()).unwrap().count(), 1, "only `out` is left");
     }

@@ -161,7 +161,7 @@ impl Gpt2Tokenizer {
             )));
         }
         let json = self.inner.to_string(false).map_err(tok_err)?;
-        crate::io::write_atomic(path, json.as_bytes())
+        Ok(fedpo_process::files::write_atomic(path, json.as_bytes())?)
     }
 }
 

@@ -86,7 +86,7 @@ impl TrimmedVocab {
     pub fn save(&self, path: &Path) -> Result<()> {
         let json = serde_json::to_vec(&VocabFile { gpt2_ids: self.kept.clone() })
             .map_err(|e| ModelError::Tokenizer(e.to_string()))?;
-        crate::io::write_atomic(path, &json)
+        Ok(fedpo_process::files::write_atomic(path, &json)?)
     }
 }
 

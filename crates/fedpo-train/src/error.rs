@@ -33,6 +33,9 @@ pub enum TrainError {
     /// A tensor operation failed.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
+    /// A file could not be written.
+    #[error(transparent)]
+    File(#[from] fedpo_process::FileError),
 }
 
 /// Shorthand for results in this crate.

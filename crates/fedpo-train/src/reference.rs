@@ -8,8 +8,8 @@
 use std::path::Path;
 
 use fedpo_data::{collate, TokenizedPair};
-use fedpo_model::io::write_atomic;
 use fedpo_model::Policy;
+use fedpo_process::files::write_atomic;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, TrainError};
