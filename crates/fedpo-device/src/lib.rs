@@ -5,6 +5,7 @@
 //! the received global model with its private adapter and uploads only the shared delta.
 
 pub mod adversary;
+mod error;
 mod local_terms;
 pub mod memory;
 pub mod participant;

@@ -12,8 +12,8 @@ use fedpo_model::{ParamRole, Policy, TensorSource};
 use fedpo_train::terms::{Alignment, AlignmentMode, Grads, Granularity, LocalTerms, Proximal, Scaffold};
 use fedpo_wire::{keys, RoundPlan, TensorPayload};
 
+use crate::error::ParticipantError;
 use crate::memory::StartOnDisk;
-use crate::participant::ParticipantError;
 use crate::state_dir::StateDir;
 
 fn protocol(plan: &RoundPlan, what: String) -> ParticipantError {

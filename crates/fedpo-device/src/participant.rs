@@ -18,10 +18,9 @@ use fedpo_wire::{
     Bundle, BundleProgress, DeviceBye, DeviceHello, EncodedPayload, Limits, Message, RoundDeclined, RoundPlan,
     TensorPayload, TrustedKey, WireDType, DEFAULT_CHUNK_BYTES,
 };
-use thiserror::Error;
 
 use crate::local_terms::start_placement;
-use crate::memory::{self, longest, PlanError, PlanRequest, StepKernels};
+use crate::memory::{self, longest, PlanRequest, StepKernels};
 use crate::round::{train_round, RoundInputs};
 use crate::state_dir::StateDir;
 
@@ -36,45 +35,7 @@ pub use slots::{Slot, TrainingSlots};
 use download::{receive, Received};
 use upload::publish_update;
 
-/// Why a participant stopped.
-#[derive(Debug, Error)]
-pub enum ParticipantError {
-    /// Settings that cannot work.
-    #[error("invalid participant settings: {0}")]
-    Config(String),
-    /// The state directory could not be read or written.
-    #[error("state directory: {0}")]
-    State(String),
-    /// The aggregator sent something this device cannot use.
-    #[error("protocol: {0}")]
-    Protocol(String),
-    /// MQTT failed.
-    #[error(transparent)]
-    Transport(#[from] fedpo_transport::TransportError),
-    /// Encoding or decoding failed.
-    #[error(transparent)]
-    Wire(#[from] fedpo_wire::WireError),
-    /// The job's model does not fit this device's memory budget.
-    #[error("round {round}: {reason}")]
-    Memory {
-        /// The round whose plan was refused.
-        round: u64,
-        /// What would not fit, and what would.
-        reason: PlanError,
-    },
-    /// The model could not be built.
-    #[error(transparent)]
-    Model(#[from] fedpo_model::ModelError),
-    /// Training failed.
-    #[error(transparent)]
-    Train(#[from] fedpo_train::TrainError),
-    /// A secure-aggregation step failed.
-    #[error("secure aggregation: {0}")]
-    SecAgg(#[from] fedpo_secagg::SecAggError),
-    /// The data could not be prepared.
-    #[error(transparent)]
-    Data(#[from] fedpo_data::DataError),
-}
+pub use crate::error::ParticipantError;
 
 /// Everything a participant needs.
 pub struct ParticipantConfig {

@@ -14,8 +14,8 @@ use fedpo_train::{
 };
 use fedpo_wire::{keys, Limits, RoundPlan, TensorPayload, UpdateMetrics};
 
+use crate::error::ParticipantError;
 use crate::local_terms::{save_control, shared_anchor, terms_for};
-use crate::participant::ParticipantError;
 use crate::state_dir::{Progress, StateDir, REFERENCE_MODEL};
 use fedpo_process::usage::peak_rss_mib;
 

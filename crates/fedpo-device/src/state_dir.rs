@@ -38,7 +38,7 @@ use fedpo_process::files::{rewrite_in_place_with, write_atomic};
 use fedpo_wire::{Residual, TransferChunk, Update};
 use serde::{Deserialize, Serialize};
 
-use crate::participant::ParticipantError;
+use crate::error::ParticipantError;
 
 /// Progress that survives a restart.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]

@@ -12,13 +12,10 @@ use std::path::Path;
 use bytes::Bytes;
 
 use crate::chunk::{Progress, Reassembler};
-use crate::error::{Result, WireError};
+use crate::error::Result;
 use crate::kept::{KeptBundle, KeptTransfer};
 use crate::limits::Limits;
-use crate::message::{Manifest, TransferChunk};
-
-/// The most sections one message may carry.
-pub const MAX_SECTIONS: usize = 8;
+use crate::message::{check_sections, Manifest, TransferChunk};
 
 /// The verified bytes of a completed bundle, as shared buffers that
 /// [`crate::TensorPayload::from_shared`] decodes in place.
@@ -57,31 +54,6 @@ pub struct Bundle {
 enum Done {
     Bytes(Bytes),
     Kept(KeptTransfer),
-}
-
-/// Checks a message's section table: bounded, named within limits, ids distinct.
-pub fn check_sections(main: &Manifest, sections: &BTreeMap<String, Manifest>, limits: &Limits) -> Result<()> {
-    if sections.len() > MAX_SECTIONS {
-        return Err(WireError::InvalidField {
-            field: "sections",
-            reason: format!("{} sections exceed the limit of {MAX_SECTIONS}", sections.len()),
-        });
-    }
-    for (name, m) in sections {
-        if name.is_empty() || name.len() > limits.max_name_len {
-            return Err(WireError::InvalidField {
-                field: "section name",
-                reason: format!("`{name}` is empty or too long"),
-            });
-        }
-        if m.transfer == main.transfer || sections.iter().any(|(other, o)| other != name && o.transfer == m.transfer) {
-            return Err(WireError::InvalidField {
-                field: "sections",
-                reason: format!("section `{name}` reuses transfer id `{}`", m.transfer),
-            });
-        }
-    }
-    Ok(())
 }
 
 impl Bundle {

@@ -24,7 +24,7 @@ mod secure;
 pub mod signing;
 mod tensor;
 
-pub use bundle::{check_sections, Bundle, BundleBytes, BundleProgress, MAX_SECTIONS};
+pub use bundle::{Bundle, BundleBytes, BundleProgress};
 pub use bytes::Bytes;
 pub use chunk::{split_payload, Progress, Reassembler};
 pub use codec::{Residual, UpdateCodec, INT8_BLOCK};
@@ -34,8 +34,8 @@ pub use error::{Result, WireError};
 pub use kept::{KeptBundle, KeptTransfer};
 pub use limits::{Limits, DEFAULT_CHUNK_BYTES, MAX_ROUND};
 pub use message::{
-    DeviceBye, DeviceHello, Hyperparameters, Manifest, Message, RoundDeclined, RoundPlan, RoundResult, TensorInfo,
-    TransferChunk, Update, UpdateMetrics, PROTOCOL_VERSION,
+    check_sections, DeviceBye, DeviceHello, Hyperparameters, Manifest, Message, RoundDeclined, RoundPlan, RoundResult,
+    TensorInfo, TransferChunk, Update, UpdateMetrics, MAX_SECTIONS, PROTOCOL_VERSION,
 };
 pub use secure::{SecAggMessage, SecAggPlan};
 pub use signing::{SignatureError, Signed, Signer, TrustedKey};

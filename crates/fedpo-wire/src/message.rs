@@ -534,7 +534,7 @@ impl Message {
                 check_finite("beta", p.hyper.beta)?;
                 p.strategy.values().try_for_each(|v| check_finite("strategy", *v))?;
                 p.strategy.keys().try_for_each(|k| check_name("strategy key", k, limits))?;
-                crate::bundle::check_sections(&p.global_model, &p.sections, limits)?;
+                check_sections(&p.global_model, &p.sections, limits)?;
                 p.sections.values().try_for_each(|m| m.validate(limits))?;
                 if p.model_spec.len() > limits.max_spec_bytes {
                     return Err(WireError::InvalidField {
@@ -554,7 +554,7 @@ impl Message {
                 check_name("device", &u.device, limits)?;
                 check_finite("train_loss", u.metrics.train_loss)?;
                 check_finite("grad_norm", u.metrics.grad_norm)?;
-                crate::bundle::check_sections(&u.update, &u.sections, limits)?;
+                check_sections(&u.update, &u.sections, limits)?;
                 u.sections.values().try_for_each(|m| m.validate(limits))?;
                 u.update.validate(limits)
             }
@@ -587,4 +587,32 @@ impl Message {
             }
         }
     }
+}
+
+/// The most sections one message may carry.
+pub const MAX_SECTIONS: usize = 8;
+
+/// Checks a message's section table: bounded, named within limits, ids distinct.
+pub fn check_sections(main: &Manifest, sections: &BTreeMap<String, Manifest>, limits: &Limits) -> Result<()> {
+    if sections.len() > MAX_SECTIONS {
+        return Err(WireError::InvalidField {
+            field: "sections",
+            reason: format!("{} sections exceed the limit of {MAX_SECTIONS}", sections.len()),
+        });
+    }
+    for (name, m) in sections {
+        if name.is_empty() || name.len() > limits.max_name_len {
+            return Err(WireError::InvalidField {
+                field: "section name",
+                reason: format!("`{name}` is empty or too long"),
+            });
+        }
+        if m.transfer == main.transfer || sections.iter().any(|(other, o)| other != name && o.transfer == m.transfer) {
+            return Err(WireError::InvalidField {
+                field: "sections",
+                reason: format!("section `{name}` reuses transfer id `{}`", m.transfer),
+            });
+        }
+    }
+    Ok(())
 }

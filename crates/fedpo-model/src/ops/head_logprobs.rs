@@ -24,7 +24,7 @@ use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::dense::MatmulNn;
-use super::tied_embedding::{head_logits_cpu, Slot};
+use super::tied_head::{add_head_weight_gradient, head_logits_cpu, Slot};
 use super::token_logprobs::{check_targets, RowMath};
 use super::{contiguous_slice, CResult};
 
@@ -124,7 +124,7 @@ impl CustomOp3 for HeadLogProbs {
         if want_dwte {
             let scaled_hidden = hidden.broadcast_mul(&softmax_scale)?;
             let onehot_rows = hidden.broadcast_mul(&g)?;
-            super::tied_embedding::add_head_weight_gradient(&self.slot, &exps, &scaled_hidden, &targets, &onehot_rows)?;
+            add_head_weight_gradient(&self.slot, &exps, &scaled_hidden, &targets, &onehot_rows)?;
         }
         let dhidden = want_dhidden
             .then(|| -> CResult<Tensor> {

@@ -63,6 +63,7 @@ mod query_blocks;
 mod row_exps;
 mod softmax;
 mod tied_embedding;
+mod tied_head;
 mod token_logprobs;
 
 use candle_core::{CpuStorage, Layout, Tensor, WithDType, D};
