@@ -19,6 +19,7 @@ mod kept;
 pub mod keys;
 mod limits;
 mod message;
+mod packed;
 mod parts;
 mod secure;
 pub mod signing;
@@ -27,7 +28,7 @@ mod tensor;
 pub use bundle::{Bundle, BundleBytes, BundleProgress};
 pub use bytes::Bytes;
 pub use chunk::{split_payload, Progress, Reassembler};
-pub use codec::{Residual, UpdateCodec, INT8_BLOCK};
+pub use codec::{Residual, UpdateCodec};
 pub use digest::{digest, DIGEST_BYTES};
 pub use encoded::EncodedPayload;
 pub use error::{Result, WireError};
@@ -37,6 +38,7 @@ pub use message::{
     check_sections, DeviceBye, DeviceHello, Hyperparameters, Manifest, Message, RoundDeclined, RoundPlan, RoundResult,
     TensorInfo, TransferChunk, Update, UpdateMetrics, MAX_SECTIONS, PROTOCOL_VERSION,
 };
+pub use packed::INT8_BLOCK;
 pub use secure::{SecAggMessage, SecAggPlan};
 pub use signing::{SignatureError, Signed, Signer, TrustedKey};
 pub use tensor::{byte_bounds, TensorPayload, ToWire, WireDType, WireTensor, MASKED_TENSOR};

@@ -10,9 +10,9 @@ use bytes::Bytes;
 use half::{bf16, f16};
 use serde::{Deserialize, Serialize};
 
-use crate::codec::{self, INT8_BLOCK, SPARSE_ENTRY};
 use crate::error::{Result, WireError};
 use crate::limits::Limits;
+use crate::packed::{self, INT8_BLOCK, SPARSE_ENTRY};
 
 /// How tensor values are carried.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -107,7 +107,7 @@ impl WireTensor {
             WireDType::F16 => values.iter().for_each(|v| data.extend_from_slice(&f16::from_f32(*v).to_le_bytes())),
             // Masked words come from `WireTensor::masked`; floats saturate to words here.
             WireDType::U32 => values.iter().for_each(|v| data.extend_from_slice(&(*v as u32).to_le_bytes())),
-            WireDType::Int8 => codec::int8_encode(values, &mut data),
+            WireDType::Int8 => packed::int8_encode(values, &mut data),
             // Lossless: every non-zero value.
             WireDType::Sparse => {
                 let entries: Vec<(u32, f32)> =
@@ -194,7 +194,7 @@ impl WireTensor {
                 return Err(WireError::TransferTooLarge { size: dense, max: limits.max_transfer_bytes });
             }
             let n = most / SPARSE_ENTRY as u64;
-            codec::check_sparse_indices(&self.data, n).map_err(|reason| WireError::InvalidField {
+            packed::check_sparse_indices(&self.data, n).map_err(|reason| WireError::InvalidField {
                 field: "sparse tensor",
                 reason: format!("`{}`: {reason}", self.name),
             })?;
@@ -240,8 +240,8 @@ impl WireTensor {
             WireDType::Bf16 => self.data.chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
             WireDType::F16 => self.data.chunks_exact(2).map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
             WireDType::U32 => self.words().into_iter().map(|w| w as f32).collect(),
-            WireDType::Int8 => codec::int8_decode(&self.data, self.len()),
-            WireDType::Sparse => codec::sparse_decode(&self.data, self.len()),
+            WireDType::Int8 => packed::int8_decode(&self.data, self.len()),
+            WireDType::Sparse => packed::sparse_decode(&self.data, self.len()),
         }
     }
 
@@ -299,13 +299,6 @@ impl TensorPayload {
     /// Encodes tensors that may leave the device, in the given order.
     pub fn encode<'a, T: ToWire + 'a>(tensors: impl IntoIterator<Item = &'a T>, dtype: WireDType) -> Self {
         Self { tensors: tensors.into_iter().map(|t| WireTensor::from_shared(t, dtype)).collect() }
-    }
-
-    /// Encodes tensors that may leave the device with an update codec, without error
-    /// feedback (see [`crate::Residual`] for the codecs that need it).
-    pub fn compress<'a, T: ToWire + 'a>(tensors: impl IntoIterator<Item = &'a T>, codec: crate::UpdateCodec) -> Self {
-        let encode = |t: &T| codec.encode(t.wire_name(), &t.wire_shape(), t.wire_values());
-        Self { tensors: tensors.into_iter().map(encode).collect() }
     }
 
     /// CBOR bytes of the payload.
