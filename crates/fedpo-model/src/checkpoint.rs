@@ -1,4 +1,5 @@
-//! Hugging Face checkpoints in, fedpo adapters and models out.
+//! Hugging Face checkpoints in, fedpo models out. The adapter's own files (fedpo's and
+//! PEFT's) are read and written in `adapter_file.rs`, re-exported here.
 //!
 //! An HF GPT-2 directory holds `config.json`, `model.safetensors` and (optionally here)
 //! `tokenizer.json`. Its tensor names come in two layouts: `GPT2LMHeadModel` saves
@@ -16,14 +17,11 @@ use crate::config::Gpt2Config;
 use crate::error::{ModelError, Result};
 use fedpo_process::files::write_atomic;
 
-use crate::io::{hash_tensors, read_safetensors, write_safetensors};
-use crate::lora::LoraConfig;
+pub use crate::adapter_file::{base_hash, load_adapter, save_adapter, write_adapter, SavedAdapter, ADAPTER_FORMAT};
+use crate::io::{read_safetensors, write_safetensors};
 use crate::params::{ParamKind, ParamRole};
 use crate::policy::Policy;
 use crate::weights::TensorSource;
-
-/// Format tag written into adapter files.
-pub const ADAPTER_FORMAT: &str = "fedpo-adapter/1";
 
 /// A loaded HF checkpoint directory.
 pub struct HfCheckpoint {
@@ -75,76 +73,6 @@ pub fn load_hf_dir(dir: &Path, device: &Device) -> Result<HfCheckpoint> {
     };
     let tokenizer_path = Some(dir.join("tokenizer.json")).filter(|p| p.is_file());
     Ok(HfCheckpoint { config, base, tokenizer_path })
-}
-
-/// The hash of the policy's base tensors (see [`hash_tensors`]).
-pub fn base_hash(policy: &Policy) -> Result<String> {
-    hash_tensors(policy.params.with_kind(ParamKind::Base).map(|p| (p.name.as_str(), p.tensor())))
-}
-
-/// Saves the adapter tensors with their rank, alpha, targets and the hash of the base
-/// they were trained against.
-pub fn save_adapter(policy: &Policy, path: &Path) -> Result<()> {
-    let lora = policy.spec.lora.as_ref().ok_or_else(|| {
-        ModelError::InvalidConfig(format!("cannot save an adapter to {}: the model has none", path.display()))
-    })?;
-    let tensors: Vec<(String, Tensor)> =
-        policy.params.with_kind(ParamKind::Adapter).map(|p| (p.name.clone(), p.tensor().clone())).collect();
-    let metadata = HashMap::from([
-        ("format".to_string(), ADAPTER_FORMAT.to_string()),
-        ("rank".to_string(), lora.rank.to_string()),
-        ("alpha".to_string(), lora.alpha.to_string()),
-        ("targets".to_string(), lora.targets.join(",")),
-        ("base_hash".to_string(), base_hash(policy)?),
-    ]);
-    write_safetensors(path, &tensors, metadata)
-}
-
-/// Writes a loaded adapter (a fedpo file's or a PEFT directory's) as a fedpo adapter file.
-pub fn write_adapter(adapter: &SavedAdapter, path: &Path) -> Result<()> {
-    let mut tensors: Vec<(String, Tensor)> =
-        adapter.tensors.tensors.iter().map(|(name, t)| (name.clone(), t.clone())).collect();
-    tensors.sort_by(|a, b| a.0.cmp(&b.0));
-    let mut metadata = HashMap::from([
-        ("format".to_string(), ADAPTER_FORMAT.to_string()),
-        ("rank".to_string(), adapter.lora.rank.to_string()),
-        ("alpha".to_string(), adapter.lora.alpha.to_string()),
-        ("targets".to_string(), adapter.lora.targets.join(",")),
-    ]);
-    if let Some(hash) = &adapter.base_hash {
-        metadata.insert("base_hash".to_string(), hash.clone());
-    }
-    write_safetensors(path, &tensors, metadata)
-}
-
-/// A saved adapter: its tensors and the settings recorded with them.
-pub struct SavedAdapter {
-    /// `h.N.<module>.lora_{A,B}.weight` tensors.
-    pub tensors: TensorSource,
-    /// Rank, alpha and targets from the file's metadata.
-    pub lora: LoraConfig,
-    /// Hash of the base the adapter was last trained against.
-    pub base_hash: Option<String>,
-}
-
-/// Reads an adapter: a fedpo adapter file with its metadata, or a PEFT LoRA directory
-/// ([`crate::export::load_peft_dir`]).
-pub fn load_adapter(path: &Path, device: &Device) -> Result<SavedAdapter> {
-    if path.is_dir() {
-        return crate::export::load_peft_dir(path, device);
-    }
-    let file = read_safetensors(path, device)?;
-    let mismatch = |reason: String| ModelError::AdapterMismatch { path: path.to_path_buf(), reason };
-    let meta = &file.metadata;
-    if meta.get("format").map(String::as_str) != Some(ADAPTER_FORMAT) {
-        return Err(mismatch(format!("not a {ADAPTER_FORMAT} file (format {:?})", meta.get("format"))));
-    }
-    let field = |k: &str| meta.get(k).ok_or_else(|| mismatch(format!("metadata lacks `{k}`")));
-    let rank: usize = field("rank")?.parse().map_err(|_| mismatch("bad `rank`".into()))?;
-    let alpha: f64 = field("alpha")?.parse().map_err(|_| mismatch("bad `alpha`".into()))?;
-    let targets: Vec<&str> = field("targets")?.split(',').collect();
-    let lora = LoraConfig::new(rank, alpha, &targets)?;
-    Ok(SavedAdapter { tensors: file.tensors, lora, base_hash: meta.get("base_hash").cloned() })
 }
 
 /// Saves the base model as an HF directory (`config.json` + `model.safetensors`, names

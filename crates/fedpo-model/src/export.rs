@@ -8,25 +8,20 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 use serde_json::json;
 
-use crate::checkpoint::{base_hash, SavedAdapter};
+use crate::adapter_file::base_hash;
+pub use crate::adapter_file::{load_peft_dir, write_peft_dir};
 use crate::error::{ModelError, Result};
-use fedpo_process::files::write_atomic;
 
-use crate::io::{read_safetensors, write_safetensors};
-use crate::lora::LoraConfig;
+use crate::io::{write_json, write_safetensors};
 use crate::params::ParamKind;
 use crate::policy::Policy;
 use crate::tokenizer::Gpt2Tokenizer;
-use crate::weights::TensorSource;
 
 /// GPT-2's `<|endoftext|>`, its begin and end of text.
 const END_OF_TEXT: u32 = 50_256;
-/// The prefix PEFT gives a causal LM's tensors.
-const PEFT_PREFIX: &str = "base_model.model.transformer.";
-
 /// Writes `dir` by filling a fresh temporary sibling with `fill` and renaming it into
 /// place. An existing `dir` is refused unless `force`, and then replaced only once the
 /// new one is complete.
@@ -134,97 +129,10 @@ fn adapter_delta(policy: &Policy, name: &str) -> Result<Option<Tensor>> {
     Ok(Some((a.tensor().t()?.matmul(&b.tensor().t()?)? * lora.scale())?))
 }
 
-/// The adapter as a PEFT directory: `adapter_config.json` (LoRA, `r`, `lora_alpha`,
-/// `target_modules`, `fan_in_fan_out`, `base_model_name_or_path`) and
-/// `adapter_model.safetensors` with PEFT's tensor names.
-pub fn write_peft_dir(policy: &Policy, base_model: &str, dir: &Path) -> Result<()> {
-    let lora =
-        policy.spec.lora.as_ref().ok_or_else(|| {
-            ModelError::InvalidConfig(format!("{}: the model has no adapter to export", dir.display()))
-        })?;
-    let config = json!({
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base_model,
-        "r": lora.rank,
-        "lora_alpha": lora.alpha,
-        "target_modules": lora.targets,
-        "fan_in_fan_out": true,
-        "lora_dropout": 0.0,
-        "bias": "none",
-        "inference_mode": true,
-        "modules_to_save": null,
-    });
-    write_json(&dir.join("adapter_config.json"), &config)?;
-    let tensors: Vec<(String, Tensor)> = policy
-        .params
-        .with_kind(ParamKind::Adapter)
-        .map(|p| (format!("{PEFT_PREFIX}{}", p.name), p.tensor().clone()))
-        .collect();
-    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
-    write_safetensors(&dir.join("adapter_model.safetensors"), &tensors, metadata)
-}
-
-/// Reads a PEFT LoRA directory for GPT-2 (`adapter_config.json` and
-/// `adapter_model.safetensors`, as `PeftModel.save_pretrained` writes them) as an adapter.
-pub fn load_peft_dir(dir: &Path, device: &Device) -> Result<SavedAdapter> {
-    let config_path = dir.join("adapter_config.json");
-    let bytes = std::fs::read(&config_path).map_err(|e| ModelError::io(&config_path, e))?;
-    let config: serde_json::Value =
-        serde_json::from_slice(&bytes).map_err(|source| ModelError::Json { path: config_path.clone(), source })?;
-    let mismatch = |reason: String| ModelError::AdapterMismatch { path: config_path.clone(), reason };
-    if config["peft_type"] != "LORA" {
-        return Err(mismatch(format!("peft_type {}: only LORA adapters load", config["peft_type"])));
-    }
-    if config["fan_in_fan_out"] != true {
-        return Err(mismatch("fan_in_fan_out must be true: GPT-2's projections are Conv1D".into()));
-    }
-    for (key, what) in [("use_dora", "DoRA"), ("use_rslora", "rank-stabilised scaling")] {
-        if config[key] == true {
-            return Err(mismatch(format!("{key} is set: fedpo's LoRA has no {what}")));
-        }
-    }
-    for key in ["rank_pattern", "alpha_pattern"] {
-        if config[key].as_object().is_some_and(|m| !m.is_empty()) {
-            return Err(mismatch(format!("{key} gives some modules their own settings; fedpo's adapters share one")));
-        }
-    }
-    let rank = config["r"].as_u64().ok_or_else(|| mismatch("no integer `r`".into()))? as usize;
-    let alpha = config["lora_alpha"].as_f64().ok_or_else(|| mismatch("no number `lora_alpha`".into()))?;
-    let targets: Vec<String> = match &config["target_modules"] {
-        serde_json::Value::Array(t) => t.iter().filter_map(|v| v.as_str().map(str::to_string)).collect(),
-        serde_json::Value::String(s) => vec![s.clone()],
-        other => return Err(mismatch(format!("target_modules {other}: expected a list of module names"))),
-    };
-    let targets: Vec<&str> = targets.iter().map(String::as_str).collect();
-    let lora = LoraConfig::new(rank, alpha, &targets)?;
-    let weights = dir.join("adapter_model.safetensors");
-    let file = read_safetensors(&weights, device)?;
-    let tensors = file
-        .tensors
-        .tensors
-        .into_iter()
-        .map(|(name, t)| {
-            let short = name.strip_prefix(PEFT_PREFIX).unwrap_or(&name).replace(".default.", ".");
-            (short, t)
-        })
-        .collect();
-    Ok(SavedAdapter {
-        tensors: TensorSource { tensors, description: weights.display().to_string() },
-        lora,
-        base_hash: None,
-    })
-}
-
-fn write_json(path: &Path, value: &serde_json::Value) -> Result<()> {
-    let bytes =
-        serde_json::to_vec_pretty(value).map_err(|source| ModelError::Json { path: path.to_path_buf(), source })?;
-    Ok(write_atomic(path, &bytes)?)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use fedpo_process::files::write_atomic;
 
     #[test]
     fn a_directory_is_replaced_only_with_force_and_only_once_the_new_one_is_whole() {

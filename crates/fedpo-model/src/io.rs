@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::fs::{self, File};
 use std::path::Path;
 
-use fedpo_process::files::{overwrite_with, write_atomic_via_path};
+use fedpo_process::files::{overwrite_with, write_atomic, write_atomic_via_path};
 
 use candle_core::safetensors::Load;
 use candle_core::{DType, Device, Storage, Tensor};
@@ -98,6 +98,13 @@ where
     Ok(write_atomic_via_path(path, |tmp| {
         safetensors::serialize_to_file(tensors, Some(metadata), tmp).map_err(std::io::Error::other)
     })?)
+}
+
+/// Writes `value` as pretty JSON, crash-safely.
+pub(crate) fn write_json(path: &Path, value: &serde_json::Value) -> Result<()> {
+    let bytes =
+        serde_json::to_vec_pretty(value).map_err(|source| ModelError::Json { path: path.to_path_buf(), source })?;
+    Ok(write_atomic(path, &bytes)?)
 }
 
 /// BLAKE3 (hex) over names, shapes and f32 little-endian values, in name order.

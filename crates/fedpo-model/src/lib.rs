@@ -10,6 +10,7 @@
 //!   [`TrimmedVocab`] for simulations;
 //! - [`ops`]: gradient-correct layer norm, softmax and the fused kernels training relies on.
 
+mod adapter_file;
 pub mod checkpoint;
 mod config;
 mod error;

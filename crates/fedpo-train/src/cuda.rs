@@ -1,13 +1,11 @@
 //! The optimizer's CUDA kernels (`kernels/optimizer.cu`, compiled to PTX by `build.rs`),
-//! launched from the in-place ops' `cuda_fwd` ([`crate::inplace`]). f32 and contiguous
+//! launched from the in-place ops' `cuda_fwd` (`crate::inplace`). f32 and contiguous
 //! only: [`crate::optim`] sends everything else to tensor ops.
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{bail, CudaDevice, CudaStorage, Layout};
-
-use crate::inplace::AdamApply;
 
 type CResult<T> = candle_core::Result<T>;
 
@@ -87,7 +85,10 @@ pub(crate) fn clipped_moment_update(beta: f64, square: bool, m: Dst<'_>, g: Src<
     Ok(())
 }
 
-pub(crate) fn adam_apply(a: &AdamApply, theta: Dst<'_>, m: Src<'_>, v: Src<'_>) -> CResult<()> {
+/// AdamW's update scalars: learning rate, weight decay, the two bias corrections, epsilon.
+pub(crate) struct AdamScalars(pub(crate) [f64; 5]);
+
+pub(crate) fn adam_apply(scalars: AdamScalars, theta: Dst<'_>, m: Src<'_>, v: Src<'_>) -> CResult<()> {
     const WHAT: &str = "adam-apply";
     let (mut theta, device) = destination(theta, WHAT)?;
     let (m, v) = (source(m, WHAT)?, source(v, WHAT)?);
@@ -95,7 +96,7 @@ pub(crate) fn adam_apply(a: &AdamApply, theta: Dst<'_>, m: Src<'_>, v: Src<'_>) 
     same_length(WHAT, theta.len(), v.len())?;
     let (config, n) = shape(theta.len(), WHAT)?;
     let func = device.get_or_load_custom_func("adam_apply_f32", MODULE, ptx::OPTIMIZER)?;
-    let values = [a.lr, a.weight_decay, a.bias_correction1, a.bias_correction2, a.eps].map(|x| x as f32);
+    let values = scalars.0.map(|x| x as f32);
     let mut launch = func.builder();
     launch.arg(&mut theta).arg(&m).arg(&v);
     for value in &values {

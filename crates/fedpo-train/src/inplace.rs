@@ -262,7 +262,9 @@ impl InplaceOp3 for AdamApply {
         s3: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> CResult<()> {
-        crate::cuda::adam_apply(self, (s1, l1), (s2, l2), (s3, l3))
+        let a = self;
+        let scalars = [a.lr, a.weight_decay, a.bias_correction1, a.bias_correction2, a.eps];
+        crate::cuda::adam_apply(crate::cuda::AdamScalars(scalars), (s1, l1), (s2, l2), (s3, l3))
     }
 }
 

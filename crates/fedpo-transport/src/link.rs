@@ -39,6 +39,7 @@ use crate::url::{BrokerUrl, TlsFiles};
 
 mod connection;
 mod driver;
+mod shared;
 
 use connection::Connection;
 

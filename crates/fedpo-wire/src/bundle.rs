@@ -11,21 +11,12 @@ use std::path::Path;
 
 use bytes::Bytes;
 
+use crate::bundle_bytes::BundleBytes;
 use crate::chunk::{Progress, Reassembler};
 use crate::error::Result;
 use crate::kept::{KeptBundle, KeptTransfer};
 use crate::limits::Limits;
 use crate::message::{check_sections, Manifest, TransferChunk};
-
-/// The verified bytes of a completed bundle, as shared buffers that
-/// [`crate::TensorPayload::from_shared`] decodes in place.
-#[derive(Debug, Clone, PartialEq)]
-pub struct BundleBytes {
-    /// The main transfer (the global model, the delta).
-    pub main: Bytes,
-    /// Each section's bytes, by section name.
-    pub sections: BTreeMap<String, Bytes>,
-}
 
 /// What accepting a chunk did to a bundle.
 #[derive(Debug, PartialEq)]

@@ -13,8 +13,7 @@ use ring::hmac;
 
 use crate::message::{DeviceBye, DeviceHello};
 
-/// Bytes of a tag (HMAC-SHA256).
-pub const TAG_BYTES: usize = 32;
+pub use crate::limits::TAG_BYTES;
 
 /// A message a device tags. Sealed: hellos and goodbyes, each with its own domain.
 pub trait Tagged: Clone + serde::Serialize + sealed::Sealed {

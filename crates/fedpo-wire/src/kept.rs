@@ -11,7 +11,7 @@ use std::path::Path;
 
 use bytes::Bytes;
 
-use crate::bundle::BundleBytes;
+use crate::bundle_bytes::BundleBytes;
 use crate::error::{Result, WireError};
 use crate::message::Manifest;
 use crate::parts::SpoolFile;

@@ -8,6 +8,7 @@
 //! non-finite values, each with an error naming what was wrong.
 
 mod bundle;
+mod bundle_bytes;
 mod chunk;
 mod codec;
 mod decode;
@@ -25,7 +26,8 @@ mod secure;
 pub mod signing;
 mod tensor;
 
-pub use bundle::{Bundle, BundleBytes, BundleProgress};
+pub use bundle::{Bundle, BundleProgress};
+pub use bundle_bytes::BundleBytes;
 pub use bytes::Bytes;
 pub use chunk::{split_payload, Progress, Reassembler};
 pub use codec::{Residual, UpdateCodec};

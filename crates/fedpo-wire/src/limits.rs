@@ -1,5 +1,7 @@
 //! The bounds a decoder enforces before it allocates.
 
+use crate::error::{Result, WireError};
+
 /// Limits applied when decoding untrusted bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Limits {
@@ -22,6 +24,9 @@ pub struct Limits {
 /// plan is recognised as such rather than locking a device out of every later round.
 pub const MAX_ROUND: u64 = 1_000_000;
 
+/// Bytes of a device tag (HMAC-SHA256, [`crate::device_tag`]).
+pub const TAG_BYTES: usize = 32;
+
 /// Default chunk size: 1 MiB. A whole DistilGPT-2 base in f32 is 328 MB, beyond MQTT's
 /// 256 MB packet limit and far beyond what a small broker buffers comfortably.
 pub const DEFAULT_CHUNK_BYTES: usize = 1 << 20;
@@ -37,4 +42,15 @@ impl Default for Limits {
             max_spec_bytes: 64 << 10,
         }
     }
+}
+
+/// Refuses a name (a device id, a tensor or transfer name) longer than the limits allow.
+pub(crate) fn check_name(field: &'static str, s: &str, limits: &Limits) -> Result<()> {
+    if s.len() > limits.max_name_len {
+        return Err(WireError::InvalidField {
+            field,
+            reason: format!("{} bytes exceed the limit of {}", s.len(), limits.max_name_len),
+        });
+    }
+    Ok(())
 }

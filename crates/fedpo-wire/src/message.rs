@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::digest::DIGEST_BYTES;
 use crate::error::{Result, WireError};
-use crate::limits::Limits;
+use crate::limits::{check_name, Limits};
 use crate::tensor::{byte_bounds, WireDType};
 
 /// The protocol version this build speaks. Version 2 names transfers by their BLAKE3
@@ -358,16 +358,6 @@ struct TransferChunkView<'a> {
     bytes: &'a [u8],
 }
 
-pub(crate) fn check_name(field: &'static str, s: &str, limits: &Limits) -> Result<()> {
-    if s.len() > limits.max_name_len {
-        return Err(WireError::InvalidField {
-            field,
-            reason: format!("{} bytes exceed the limit of {}", s.len(), limits.max_name_len),
-        });
-    }
-    Ok(())
-}
-
 fn check_round(round: u64) -> Result<()> {
     if round <= crate::limits::MAX_ROUND {
         Ok(())
@@ -380,12 +370,12 @@ fn check_round(round: u64) -> Result<()> {
 }
 
 fn check_tag_len(tag: &[u8]) -> Result<()> {
-    if matches!(tag.len(), 0 | crate::device_tag::TAG_BYTES) {
+    if matches!(tag.len(), 0 | crate::limits::TAG_BYTES) {
         Ok(())
     } else {
         Err(WireError::InvalidField {
             field: "tag",
-            reason: format!("{} bytes; a tag has {}", tag.len(), crate::device_tag::TAG_BYTES),
+            reason: format!("{} bytes; a tag has {}", tag.len(), crate::limits::TAG_BYTES),
         })
     }
 }

@@ -58,7 +58,7 @@ impl SecAggMessage {
         };
         match self {
             Self::Keys { device, .. } | Self::Shares { device, .. } | Self::Unmasked { device, .. } => {
-                crate::message::check_name("device", device, limits)?;
+                crate::limits::check_name("device", device, limits)?;
             }
             _ => {}
         }

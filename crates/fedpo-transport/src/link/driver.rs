@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use rumqttc::{Client, Connection, Event, MqttOptions, Outgoing, Packet, QoS};
 
-use super::connection::{lock, Shared};
+use super::shared::{lock, Shared};
 use super::{Delivery, LinkEvent};
 
 pub(super) struct DriveLimits {
