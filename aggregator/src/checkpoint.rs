@@ -8,10 +8,9 @@
 //! died in (a torn slot is never the one a state names), and resume takes the newest
 //! state whose model matches its hash.
 //!
-//! Two costs shaped this. Writing a model-sized file into fresh page-cache pages took
-//! 0.6 to 0.9 s per DistilGPT-2 checkpoint on the benchmark machine, rewriting one in
-//! place 0.03 s; and the `fsync` that makes it survive a power cut took most of a second
-//! more, on the round's critical path. The sync now runs in the background while the next
+//! Two costs shaped this. Writing a model-sized file into fresh page-cache pages cost far
+//! more than rewriting one in place, and the `fsync` that makes it survive a power cut
+//! cost as much again, on the round's critical path. The sync now runs in the background while the next
 //! round's model goes out, and the next checkpoint waits for it before it rewrites the
 //! other slot: the kept pair is always on disk, so a power cut costs at most the last
 //! round. Rounds are never mixed: a model is only used with a state that names its hash.

@@ -3,7 +3,7 @@
 //! A device needs the global model it received only twice in a round: to build its policy,
 //! and at the end, to form the delta it uploads. Held in memory in between, its shared
 //! tensors are one more copy of everything the device trains: on DistilGPT-2 with
-//! trainable embeddings, 328 MB, and 241 to 345 MiB of a round's peak RSS. Under a tight
+//! trainable embeddings, 328 MB, most of which shows in a round's peak RSS. Under a tight
 //! memory budget the device writes them to its state directory instead and frees them, and
 //! [`SpilledStart::delta`] reads them back a chunk at a time, so the round never holds them
 //! beside its gradients. The delta is bit for bit [`Policy::shared_delta`]'s.

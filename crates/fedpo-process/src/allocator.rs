@@ -3,7 +3,7 @@
 //! By default glibc serves every allocation above 32 MiB with a fresh `mmap` and returns it
 //! with `munmap` on free. A training step allocates and frees the same large activations
 //! every step, so each step page-faults hundreds of MB back in and system time dominates.
-//! Keeping freed memory in the heap removed that cost (about 1.5x step speed on two cores).
+//! Keeping freed memory in the heap removed that cost.
 //! Peak RSS is unchanged: the same buffers are reused instead of re-mapped.
 
 /// Disables mmap for large blocks and heap trimming. Call once, at start-up, in any
@@ -22,9 +22,9 @@ pub fn keep_freed_memory_in_heap() {
 /// One glibc arena for every thread, for processes that train on several threads (the
 /// aggregator's in-process devices). A thread's own arena grows in 64 MiB heaps that glibc
 /// shrinks back on free whatever the trim threshold, so each device thread page-faulted its
-/// activations in again every step: rounds of two DistilGPT-2 devices took 12-16 s instead
-/// of 14-18 s with this. The device binary trains on its main thread and does not need it
-/// (its step measured about 5 % slower with it, from the rayon workers sharing the arena).
+/// activations in again every step; one arena made rounds of two DistilGPT-2 devices
+/// faster. The device binary trains on its main thread and does not need it (its step
+/// measured slower with it, from the rayon workers sharing the arena).
 pub fn share_one_arena() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: as above; effective for threads that have not allocated yet.

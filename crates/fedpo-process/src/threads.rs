@@ -4,8 +4,8 @@
 //! gemm and fedpo's kernels). After each op, candle's workers spin on the CPU for 25,000
 //! pause instructions before they park. Between the step's element-wise ops come matmuls,
 //! so on a two-core board that spin takes a core from the gemm that follows: the tiny
-//! shape's step spent 4 % of its CPU samples there, and ran about 5 % faster with a short
-//! spin. The bigger DistilGPT-2 step was unchanged.
+//! shape's step ran faster with a short spin, and the bigger DistilGPT-2 step was
+//! unchanged.
 
 /// The spin, in pause instructions, after which candle's idle workers park.
 pub const CANDLE_SPIN_LIMIT: u32 = 1_000;

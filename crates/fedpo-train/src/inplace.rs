@@ -8,8 +8,8 @@
 //!
 //! The two passes every SGD step makes over all parameters, the gradient's sum of squares
 //! and the update, run on f32 kernels compiled for the CPU's widest vectors
-//! ([`fedpo_model::multiversion!`]): built for baseline x86-64 they spent 70 ms of a
-//! DistilGPT-2 step widening f32 to f64 two lanes at a time.
+//! ([`fedpo_model::multiversion!`]): built for baseline x86-64 they spent a visible share
+//! of a DistilGPT-2 step widening f32 to f64 two lanes at a time.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, InplaceOp2, InplaceOp3, Layout, Storage, Tensor};
@@ -106,7 +106,7 @@ impl InplaceOp2 for SgdStep {
 
 /// `theta -= step * g`, summing `g^2` on the way: an unclipped SGD step's update and its
 /// gradient norm in one read of the gradient instead of two (on DistilGPT-2 the separate
-/// norm pass re-read 328 MB, about 1 % of a step). Each chunk is updated, then its squares
+/// norm pass re-read all 328 MB of it). Each chunk is updated, then its squares
 /// summed while it is still in cache, with the same chunks and lanes as
 /// [`cpu_sum_of_squares`], so the sum has that function's bits.
 pub(crate) struct SgdStepSummingSquares {

@@ -1,8 +1,7 @@
 //! Decoding a payload in place: its tensors are slices of the buffer it arrived in.
 //!
 //! A received DistilGPT-2 model or update is 328 MB of verified bytes, and decoding it
-//! into owned tensors copied every one of them into fresh allocations: 0.14 s per payload
-//! on the reference machine, paid by each device for the model and by the aggregator for
+//! into owned tensors copied every one of them into fresh allocations, paid by each device for the model and by the aggregator for
 //! every update, on the round's critical path, with a second model-sized buffer alive
 //! while it ran. [`TensorPayload::from_shared`] parses the CBOR with its byte strings
 //! borrowed and keeps each tensor's data as a reference-counted slice of the buffer, so

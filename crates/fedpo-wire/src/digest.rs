@@ -3,11 +3,11 @@
 //! Every transfer is hashed by its sender and again by its receiver, and every round
 //! moves the model down to each device and an update back up from each: with two
 //! DistilGPT-2 devices that is seven hashes of 328 MB a round, on the same cores that
-//! train. SHA-256 ran at 1.7 GB/s on this project's AVX-512 test machine, with the CPU's
-//! SHA instructions; the boards fedpo targets have none (Raspberry Pi 4's Cortex-A72 lacks
-//! the ARMv8 crypto extensions) and hash SHA-256 in scalar code. BLAKE3 processes many
-//! 1 KiB blocks per vector instruction on AVX-512, AVX2 and NEON alike (6.3 GB/s on the
-//! same core) and is as suited to naming a model: a 256-bit output with 128-bit collision
+//! train. Even with the CPU's SHA instructions SHA-256 was several times slower than BLAKE3
+//! on this project's AVX-512 test machine, and the boards fedpo targets have none
+//! (Raspberry Pi 4's Cortex-A72 lacks the ARMv8 crypto extensions) and hash SHA-256 in
+//! scalar code. BLAKE3 processes many 1 KiB blocks per vector instruction on AVX-512, AVX2
+//! and NEON alike and is as suited to naming a model: a 256-bit output with 128-bit collision
 //! resistance, and a signed plan pins the digest as it pinned the SHA-256 before.
 
 /// Bytes in a digest.

@@ -6,23 +6,21 @@
 //!
 //! - **Fused** (f32 on the CPU, the default): fitted by least squares to the peak RSS of
 //!   `fedpo-device bench` over 64 configurations (tiny and DistilGPT-2, 1–8 pairs, 32 + 32
-//!   to 128 + 128 and 32 + 160 tokens, base trainable and frozen): every one lies within
-//!   −10 % … +15 % of the fit. What real training holds beyond the benchmark's step was
+//!   to 128 + 128 and 32 + 160 tokens, base trainable and frozen), every one close to the
+//!   fit. What real training holds beyond the benchmark's step was
 //!   measured on it: what a batch split into passes holds beyond one pass (about 0.45
 //!   trainable copies, since the passes add into the model's own gradient buffers),
 //!   AdamW's moments, and in a federated round whose embedding trains about 1.25
 //!   embedding tables more than local training holds. Most of that is the received model,
-//!   kept to form the update: rounds that kept it on disk instead peaked 236 to 371 MiB
-//!   lower, and the estimate for them drops that term.
+//!   kept to form the update: rounds that kept it on disk instead peaked lower, and the
+//!   estimate for them drops that term.
 //!   `scripts/measure_footprint.sh` makes every measurement, and the test
 //!   `estimates_cover_every_measured_peak` holds the estimate (with [`SAFETY_MARGIN`])
 //!   above each of them and within 1.7 times it.
 //! - **Composed** (candle's ops one by one: half precision, other devices): the fit made
 //!   before the fused kernels existed, when attention kept its probabilities for backward
-//!   and every op its own gradient buffers. It still covers the composed path (a bf16
-//!   DistilGPT-2 step on 8 pairs of 230 tokens peaked at 5,270 MiB against an estimate of
-//!   about 10,000, a bf16 federated round 2,409 MiB against 4,739, and 2,087 against 4,380
-//!   with its start on disk) and errs far on the side of fitting.
+//!   and every op its own gradient buffers. It still covers the composed path's measured
+//!   peaks, with about twice their size, and errs far on the side of fitting.
 
 use candle_core::{DType, Device};
 use fedpo_model::{Gpt2Config, LoraConfig, Partition};

@@ -2,11 +2,9 @@
 //! candle's `matmul` costs.
 //!
 //! candle's CPU matmul zero-fills its output before gemm overwrites it and cannot add into
-//! an existing buffer. At the tied head's shapes it also ran well below gemm's own speed:
-//! on the DistilGPT-2 step, `hidden @ wte^T` (512 x 768 x 50257) measured 360 GFLOP/s
-//! through candle and 454 called directly, and the embedding gradient `dlogits^T @ hidden`
-//! 277 against 441 (the 2048^3 figure is about 480). These helpers write every output
-//! element exactly once, or add into an accumulator in the same pass.
+//! an existing buffer. At the tied head's shapes it also ran well below gemm's own speed
+//! (`hidden @ wte^T` and the embedding gradient `dlogits^T @ hidden`). These helpers write
+//! every output element exactly once, or add into an accumulator in the same pass.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, DType, InplaceOp3, Layout, Shape, Tensor, WithDType};
@@ -180,7 +178,7 @@ const MIN_PARALLEL_MACS: usize = 1 << 21;
 const MIN_SLAB: usize = 32;
 /// Long sides (the head's 50,257) are cut into slabs of about this many, more slabs than
 /// threads, so that rayon balances them when one core runs slower; each slab re-packs only
-/// the short operand. At the head's shapes this beat one slab per thread by up to 15 %.
+/// the short operand. At the head's shapes this beat one slab per thread.
 const LONG_SLAB: usize = 4096;
 /// An inner dimension this many times the output's longer side is cut instead: the head's
 /// hidden-state gradient `e @ wte` (inner 50,257) cut by rows had each thread pack the
@@ -191,10 +189,8 @@ const INNER_SPLIT_RATIO: usize = 16;
 /// How to spread an `[m, n]`-output matmul over `threads` threads, if at all.
 ///
 /// gemm's own rayon mode (`Parallelism::Rayon`) scaled poorly on two cores at the step's
-/// narrow and skinny shapes: measured against one single-threaded gemm call per half of
-/// the output, `dx = dy W^T` at DistilGPT-2's MLP shape (1024 x 768, inner 3072) ran at
-/// 180 against 214 GFLOP/s, the head's `e @ wte` (512 x 128, inner 50257) at 182 against
-/// 228 and `e^T @ h` (50257 x 128, inner 512) at 186 against 226; square and wide shapes
+/// narrow and skinny shapes (the MLP's `dx = dy W^T`, the head's `e @ wte` and `e^T @ h`)
+/// against one single-threaded gemm call per part of the output; square and wide shapes
 /// ran the same either way. Each slab packs its own share of the cut operand and the
 /// whole of the other, which is why the cut goes along the longer side (columns are
 /// preferred until rows outnumber them twice: at `dx`'s 1024 x 768 they measured faster).

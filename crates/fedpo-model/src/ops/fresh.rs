@@ -2,7 +2,7 @@
 //!
 //! `vec![0.0; n]` zero-fills on the calling thread, and so does `slice.to_vec()` copy:
 //! each of the fused block's outputs and gradients started that way, and those fills and
-//! copies took about 4 % of a DistilGPT-2 step with the other core waiting for them. Here
+//! copies were a visible share of a DistilGPT-2 step, with the other core waiting. Here
 //! a parallel task initialises its own chunk and writes it at once, while its cache lines
 //! are still hot, so the fill costs a fraction of a pass and both cores share it.
 
