@@ -8,15 +8,9 @@
 //! fedpo-device run --config /etc/fedpo/device.toml                   # flags from a file
 //! ```
 
-mod bench;
-mod bench_generate;
-mod config_file;
-mod export;
-mod generate;
-mod run;
-mod score;
-mod setup;
-mod train_local;
+mod cli;
+
+use cli::{bench, bench_generate, config_file, export, generate, run, score, train_local};
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};

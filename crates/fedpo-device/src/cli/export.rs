@@ -12,7 +12,7 @@ use clap::Args;
 use fedpo_model::export::{write_dir_atomically, write_peft_dir, write_transformers_dir};
 use fedpo_model::{Gpt2Tokenizer, GPT2_VOCAB_SIZE};
 
-use crate::generate::load_state_dir;
+use crate::cli::generate::load_state_dir;
 
 #[derive(Debug, Args)]
 pub(crate) struct ExportArgs {

@@ -22,7 +22,7 @@ use fedpo_train::{
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 
-use crate::setup::{parse_device, tokenize, DataArgs, LoadedData, ModelArgs};
+use crate::cli::setup::{parse_device, tokenize, DataArgs, LoadedData, ModelArgs};
 
 /// Loss and optimizer flags shared by every training command.
 #[derive(Debug, Args, Clone)]
