@@ -17,7 +17,6 @@ use clap::Args;
 use fedpo_data::partition::{train_heldout_split, Partition};
 use fedpo_data::synthetic::{generate_pairs, Personas, SyntheticSpec};
 use fedpo_data::{load_jsonl_keyed, to_jsonl, DataFormat, PreferencePair};
-use fedpo_device::adversary::Adversary;
 use fedpo_device::participant::{self, ParticipantConfig, TrainingSlots};
 use fedpo_model::{Gpt2Tokenizer, TrimmedVocab, GPT2_VOCAB_SIZE};
 use fedpo_transport::{BrokerUrl, LinkOptions, MqttLink, TlsFiles};
@@ -133,7 +132,10 @@ fn trim_vocab(shards: &[Shard], out: &Path) -> Result<TrimmedVocab> {
     Ok(vocab)
 }
 
+mod adversary;
 mod device_processes;
+
+pub(crate) use adversary::Adversary;
 
 use device_processes::{DeviceProcess, ProcessFleet};
 
@@ -326,7 +328,11 @@ impl SimulateArgs {
                 reset_adapter: false,
                 alone_in_process: false,
                 training_slots: training_slots.clone(),
-                adversary: (k < self.attackers).then_some(self.attack),
+                rewrite_update: (k < self.attackers).then(|| {
+                    let attack = self.attack;
+                    Arc::new(move |update: &fedpo_wire::TensorPayload| attack.apply(update))
+                        as participant::UpdateRewrite
+                }),
                 stop: stop.clone(),
             };
             handles.push(std::thread::Builder::new().name(id).spawn(move || participant::run(cfg))?);

@@ -155,7 +155,7 @@ fn fleet_runs_through_mosquitto_with_mtls_and_a_device_cannot_publish_as_another
                 reset_adapter: false,
                 alone_in_process: false,
                 training_slots: None,
-                adversary: None,
+                rewrite_update: None,
                 stop: Arc::new(AtomicBool::new(false)),
             };
             std::thread::spawn(move || participant::run(cfg).expect("device runs to the end of the job"))

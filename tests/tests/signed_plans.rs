@@ -65,7 +65,7 @@ fn devices_train_only_on_plans_signed_by_the_key_they_pin() {
                 reset_adapter: false,
                 alone_in_process: false,
                 training_slots: None,
-                adversary: None,
+                rewrite_update: None,
                 stop: if pinned == &stranger { stop.clone() } else { Arc::new(AtomicBool::new(false)) },
             };
             std::thread::spawn(move || participant::run(cfg).expect("device leaves when the job ends"))

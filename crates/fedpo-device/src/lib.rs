@@ -4,7 +4,6 @@
 //! [`participant::run`] joins a job over MQTT and, in every round that selects it, trains
 //! the received global model with its private adapter and uploads only the shared delta.
 
-pub mod adversary;
 mod error;
 mod local_terms;
 pub mod memory;

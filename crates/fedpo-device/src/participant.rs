@@ -37,6 +37,9 @@ use upload::publish_update;
 
 pub use crate::error::ParticipantError;
 
+/// A rewrite of a device's update payload ([`ParticipantConfig::rewrite_update`]).
+pub type UpdateRewrite = Arc<dyn Fn(&TensorPayload) -> TensorPayload + Send + Sync>;
+
 /// Everything a participant needs.
 pub struct ParticipantConfig {
     /// The broker.
@@ -88,8 +91,9 @@ pub struct ParticipantConfig {
     /// Shared by the devices of one process to limit how many train at once; `None`: no
     /// limit.
     pub training_slots: Option<Arc<TrainingSlots>>,
-    /// Simulations only: poison every uploaded update this way.
-    pub adversary: Option<crate::adversary::Adversary>,
+    /// Rewrites every update after training, before it is encoded: a simulated attacker
+    /// (`simulate --attackers`) or a test's. `None` on a real device.
+    pub rewrite_update: Option<UpdateRewrite>,
     /// Set to stop the participant between rounds.
     pub stop: Arc<AtomicBool>,
 }
@@ -565,9 +569,9 @@ impl Participant {
             let mut residual = self.state.residual(progress.last_round)?;
             let payload = residual.compress(&outcome.delta, codec);
             tracing::debug!(owed = format_args!("{:.4}", residual.norm()), %codec, "error feedback");
-            (self.poisoned(payload), Some(residual))
-        } else if self.cfg.adversary.is_some() {
-            (self.poisoned(TensorPayload::compress(&outcome.delta, codec)), None)
+            (self.rewritten(payload), Some(residual))
+        } else if self.cfg.rewrite_update.is_some() {
+            (self.rewritten(TensorPayload::compress(&outcome.delta, codec)), None)
         } else {
             // Straight from the delta's buffers into the chunks.
             (EncodedPayload::compress(&outcome.delta, codec, DEFAULT_CHUNK_BYTES), None)

@@ -182,7 +182,7 @@ pub fn participant_config(
         reset_adapter: false,
         alone_in_process: false,
         training_slots: None,
-        adversary: None,
+        rewrite_update: None,
         stop: Arc::new(AtomicBool::new(false)),
     }
 }

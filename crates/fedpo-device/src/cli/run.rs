@@ -191,7 +191,7 @@ pub(crate) fn run(args: RunArgs) -> Result<()> {
         reset_adapter: args.reset_adapter,
         alone_in_process: true,
         training_slots: None,
-        adversary: None,
+        rewrite_update: None,
         stop,
     };
     if cfg.trusted_key.is_none() {

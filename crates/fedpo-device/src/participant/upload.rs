@@ -10,10 +10,10 @@ use super::{Participant, ParticipantError};
 use crate::state_dir::{Progress, SentUpdate};
 
 impl Participant {
-    /// The chunks of an update payload, poisoned first in a simulation's adversary.
-    pub(super) fn poisoned(&self, payload: TensorPayload) -> EncodedPayload {
-        let payload = match &self.cfg.adversary {
-            Some(adversary) => adversary.apply(&payload),
+    /// The chunks of an update payload, after the configuration's rewrite, if any.
+    pub(super) fn rewritten(&self, payload: TensorPayload) -> EncodedPayload {
+        let payload = match &self.cfg.rewrite_update {
+            Some(rewrite) => rewrite(&payload),
             None => payload,
         };
         EncodedPayload::new(&payload, DEFAULT_CHUNK_BYTES)

@@ -3,8 +3,10 @@
 //!
 //! Robust aggregation is only tested if someone attacks it. The attack is applied to the
 //! payload after training, so the attacker's own metrics and state stay honest and only
-//! what the aggregator receives is poisoned. `fedpo-device` has no flag for it; the
-//! aggregator's `simulate --attackers` sets it on in-process devices.
+//! what the aggregator receives is poisoned. It lives with the simulation: `simulate
+//! --attackers` hands it to in-process devices as their update rewrite
+//! (`fedpo_device::participant::ParticipantConfig::rewrite_update`), and the device
+//! library knows nothing of attacks.
 
 use std::fmt;
 use std::str::FromStr;
@@ -13,7 +15,7 @@ use fedpo_wire::{TensorPayload, ToWire, WireTensor};
 
 /// What an attacking device does to its update Δ before uploading it.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub enum Adversary {
+pub(crate) enum Adversary {
     /// Uploads −factor·Δ: pushes the model against the honest direction.
     SignFlip { factor: f32 },
     /// Uploads factor·Δ: one device outweighs the rest.
@@ -22,7 +24,7 @@ pub enum Adversary {
 
 impl Adversary {
     /// The poisoned update.
-    pub fn apply(&self, update: &TensorPayload) -> TensorPayload {
+    pub(crate) fn apply(&self, update: &TensorPayload) -> TensorPayload {
         let k = match *self {
             Self::SignFlip { factor } => -factor,
             Self::Scale { factor } => factor,
