@@ -22,8 +22,8 @@ use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+use crate::algorithms::dp::RdpAccountant;
 use crate::global_model::GlobalModel;
-use crate::privacy::RdpAccountant;
 
 /// A registered device.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -12,8 +12,8 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use fedpo_train::terms::layer_of;
-use fedpo_wire::TensorPayload;
+use fedpo_train::algorithms::layer_of;
+use fedpo_wire::{keys, TensorPayload};
 
 use crate::global_model::GlobalModel;
 
@@ -38,7 +38,26 @@ pub(crate) struct DiagnosticsReport {
     pub(crate) layer_cos: BTreeMap<String, f64>,
 }
 
+/// The update section that carries a device's gradient at the received model.
+pub(crate) const SECTION: &str = keys::DIAGNOSTIC_GRADIENT;
+
 impl Diagnostics {
+    /// Whether `transfer` carries an update's diagnostic gradient, whose bytes are
+    /// counted apart.
+    pub(crate) fn carries(transfer: &str) -> bool {
+        transfer.strip_suffix(SECTION).is_some_and(|rest| rest.ends_with('/'))
+    }
+
+    /// Takes in section `name` of an accepted update; returns whether it was the
+    /// diagnostic gradient.
+    pub(crate) fn take_section(&mut self, name: &str, payload: &TensorPayload) -> bool {
+        if name != SECTION {
+            return false;
+        }
+        self.add_gradient(payload);
+        true
+    }
+
     pub(crate) fn new(model: &GlobalModel) -> Self {
         let zeros = || model.shared().map(|t| (t.name.clone(), vec![0.0; t.values.len()])).collect();
         Self {

@@ -9,7 +9,7 @@ use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 use candle_core::Device;
-use fedpo_model::io::{overwrite_safetensors_views, read_safetensors};
+use fedpo_model::tensor_files::{overwrite_safetensors_views, read_safetensors};
 use fedpo_model::{ParamRole, Policy, PolicySpec};
 use fedpo_wire::{EncodedPayload, ToWire, UpdateCodec, DEFAULT_CHUNK_BYTES};
 

@@ -8,26 +8,23 @@
 //! fedpo-aggregator experiment experiments/smoke.toml
 //! ```
 
-mod accumulator;
-mod adaptive;
-mod aggregation;
+mod algorithms;
 mod broker_args;
 mod chart;
 mod checkpoint;
-mod client_term;
+mod combine;
+mod combined_update;
 mod diagnostics;
 mod experiment;
 mod fleet_bench;
 mod global_model;
-mod job;
-mod method;
+mod job_args;
 mod metrics;
+mod partitions;
 mod plots;
-mod privacy;
-mod robust;
 mod server;
 mod simulate;
-mod strategy;
+mod weighted_sum;
 
 use std::path::PathBuf;
 
@@ -68,7 +65,7 @@ enum Command {
 #[derive(Debug, Args)]
 struct ServeArgs {
     #[command(flatten)]
-    job: job::JobArgs,
+    job: job_args::JobArgs,
     #[command(flatten)]
     broker: broker_args::BrokerArgs,
     /// Output directory: metrics.jsonl, summary.json and checkpoint/.
@@ -95,7 +92,7 @@ fn serve(args: ServeArgs) -> Result<()> {
     opts.inbound_budget = (args.inbound_budget_mib > 0 && embedded.is_none()).then_some(args.inbound_budget_mib << 20);
     let link = MqttLink::connect(&url, &opts)?;
     tracing::info!(broker = %url, job = %args.job.job, "aggregator connected");
-    let mut server = server::Server::new(link, args.job, &args.out, args.resume)?;
+    let mut server = server::Aggregator::new(link, args.job, &args.out, args.resume)?;
     if let Some(broker) = &embedded {
         broker.fit_transfer(usize::try_from(server.global().wire_bytes_bound()).unwrap_or(usize::MAX));
     }

@@ -23,10 +23,10 @@ use fedpo_transport::{BrokerUrl, LinkOptions, MqttLink, TlsFiles};
 use fedpo_wire::{Signer, TrustedKey};
 
 use crate::broker_args::BrokerArgs;
-use crate::job::JobArgs;
-use crate::method::Method;
+use crate::job_args::JobArgs;
 use crate::metrics::Summary;
-use crate::server::Server;
+use crate::partitions::Method;
+use crate::server::Aggregator;
 
 #[derive(Debug, Args)]
 pub(crate) struct SimulateArgs {
@@ -390,7 +390,7 @@ pub(crate) fn run(args: SimulateArgs) -> Result<Summary> {
     let mut opts = LinkOptions::new(format!("fedpo-{}-aggregator", job.job));
     opts.tls = tls.clone();
     let link = MqttLink::connect(&url, &opts)?;
-    let mut server = Server::new(link, job.clone(), &args.out, args.resume)?;
+    let mut server = Aggregator::new(link, job.clone(), &args.out, args.resume)?;
     if let Some(broker) = &broker {
         broker.fit_transfer(usize::try_from(server.global().wire_bytes_bound()).unwrap_or(usize::MAX));
     }

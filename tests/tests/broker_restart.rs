@@ -20,7 +20,7 @@ use candle_core::Device;
 use common::gated_proxy::GatedProxy;
 use common::{decode_rounds, tensor_values, Wiretap};
 use fedpo_data::synthetic::{generate_device, SyntheticSpec};
-use fedpo_model::io::read_safetensors;
+use fedpo_model::tensor_files::read_safetensors;
 use fedpo_transport::{BrokerUrl, LinkOptions, MqttLink};
 use fedpo_wire::{Limits, Message, TensorPayload};
 

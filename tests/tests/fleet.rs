@@ -8,7 +8,7 @@ use std::path::Path;
 use candle_core::Device;
 use common::{decode_rounds, tensor_values, Wiretap};
 use fedpo_data::synthetic::{generate_device, SyntheticSpec};
-use fedpo_model::io::read_safetensors;
+use fedpo_model::tensor_files::read_safetensors;
 use fedpo_transport::{BrokerUrl, EmbeddedBroker};
 
 /// Training pairs per device: different, so that pair weighting matters.

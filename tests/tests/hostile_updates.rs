@@ -9,7 +9,7 @@ mod common;
 
 use candle_core::Device;
 use common::fake_device::FakeDevice;
-use fedpo_model::io::read_safetensors;
+use fedpo_model::tensor_files::read_safetensors;
 use fedpo_transport::EmbeddedBroker;
 use fedpo_wire::DEFAULT_CHUNK_BYTES;
 

@@ -17,7 +17,7 @@ use candle_core::Device;
 use common::fake_device::FakeDevice;
 use common::{decode_rounds, Wiretap};
 use fedpo_data::synthetic::{generate_device, SyntheticSpec};
-use fedpo_model::io::read_safetensors;
+use fedpo_model::tensor_files::read_safetensors;
 use fedpo_transport::{BrokerUrl, EmbeddedBroker};
 use fedpo_wire::TensorPayload;
 

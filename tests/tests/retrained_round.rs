@@ -8,7 +8,7 @@ mod common;
 use candle_core::Device;
 use common::fake_device::FakeDevice;
 use common::{decode_rounds, tensor_values, Wiretap};
-use fedpo_model::io::read_safetensors;
+use fedpo_model::tensor_files::read_safetensors;
 use fedpo_transport::EmbeddedBroker;
 
 const JOB: &str = "retrained";

@@ -14,7 +14,7 @@ use candle_core::Device;
 use common::fake_device::FakeDevice;
 use common::{decode_rounds, tensor_values, Wiretap};
 use fedpo_data::synthetic::{generate_device, SyntheticSpec};
-use fedpo_model::io::read_safetensors;
+use fedpo_model::tensor_files::read_safetensors;
 use fedpo_transport::EmbeddedBroker;
 use fedpo_wire::{Limits, Message, SecAggPlan, TensorPayload, WireDType, MASKED_TENSOR};
 

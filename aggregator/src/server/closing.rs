@@ -6,42 +6,52 @@ use std::time::Instant;
 use anyhow::Result;
 use fedpo_wire::{RoundResult, UpdateMetrics};
 
-use super::{OpenRound, Server};
-use crate::accumulator::WeightedSum;
+use super::{Aggregator, OpenRound};
+use crate::combined_update::CombinedUpdate;
 use crate::diagnostics::Diagnostics;
 use crate::metrics::{mean, RoundRecord};
 
-impl Server {
+impl Aggregator {
     pub(super) fn close_round(&mut self, mut open: OpenRound, started: Instant) -> Result<RoundRecord> {
-        let participants: Vec<String> = open.reported.keys().cloned().collect();
-        let weight: f64 = open.reported.values().map(|(pairs, _)| *pairs as f64).sum::<f64>().max(1.0);
+        let participants: Vec<String> = open.collector.reported().keys().cloned().collect();
+        let weight: f64 = open.collector.reported().values().map(|(pairs, _)| *pairs as f64).sum::<f64>().max(1.0);
         let weighted = |f: &dyn Fn(&UpdateMetrics) -> f64| {
-            open.reported.values().map(|(pairs, m)| *pairs as f64 * f(m)).sum::<f64>() / weight
+            open.collector.reported().values().map(|(pairs, m)| *pairs as f64 * f(m)).sum::<f64>() / weight
         };
         let mut record = RoundRecord {
-            round: open.round,
+            round: open.collector.round(),
             method: self.job.method.name().into(),
-            evaluation: open.evaluation,
-            selected: open.selected.iter().cloned().collect(),
+            evaluation: open.collector.evaluation(),
+            selected: open.collector.selected().iter().cloned().collect(),
             participants: participants.clone(),
             train_loss: weighted(&|m| m.train_loss),
-            reward_acc: open.reported.iter().map(|(d, (_, m))| (d.clone(), m.reward_acc)).collect(),
-            heldout_acc: open.reported.iter().filter_map(|(d, (_, m))| Some((d.clone(), m.heldout_acc?))).collect(),
-            peak_rss_mib: open.reported.iter().filter_map(|(d, (_, m))| Some((d.clone(), m.peak_rss_mib?))).collect(),
-            train_seconds: open.reported.iter().map(|(d, (_, m))| (d.clone(), m.seconds)).collect(),
+            reward_acc: open.collector.reported().iter().map(|(d, (_, m))| (d.clone(), m.reward_acc)).collect(),
+            heldout_acc: open
+                .collector
+                .reported()
+                .iter()
+                .filter_map(|(d, (_, m))| Some((d.clone(), m.heldout_acc?)))
+                .collect(),
+            peak_rss_mib: open
+                .collector
+                .reported()
+                .iter()
+                .filter_map(|(d, (_, m))| Some((d.clone(), m.peak_rss_mib?)))
+                .collect(),
+            train_seconds: open.collector.reported().iter().map(|(d, (_, m))| (d.clone(), m.seconds)).collect(),
             device_grad_norm: weighted(&|m| m.grad_norm),
             diagnostics_bytes: open.diagnostics.is_some().then_some(open.diagnostics_bytes),
             bytes_up: open.bytes_up,
             bytes_up_by_device: open.bytes_up_by_device.clone(),
             bytes_down: open.bytes_down,
-            rejected: open.rejected.clone(),
+            rejected: open.collector.rejected().clone(),
             ..RoundRecord::default()
         };
         self.state.bytes_up += open.bytes_up;
         self.state.bytes_down += open.bytes_down;
-        if !open.evaluation {
+        if !open.collector.evaluation() {
             let secure_sum = open.secure_sum.take();
-            let updates = secure_sum.as_ref().map_or(open.updates.count(), WeightedSum::count);
+            let updates = secure_sum.as_ref().map_or(open.updates.count(), CombinedUpdate::count);
             record.clipped = open.updates.clipped();
             let combined = if updates >= self.job.quorum {
                 let sum = match secure_sum {
@@ -60,7 +70,7 @@ impl Server {
             match combined {
                 Ok(sum) => {
                     let local = self.job.lr * f64::from(self.job.local_steps.max(1));
-                    record.grad_norm = sum.mean_norm() / local;
+                    record.grad_norm = sum.norm() / local;
                     record.pseudo_grad_norm = Some(record.grad_norm);
                     if let Some(report) = open.diagnostics.as_ref().map(Diagnostics::report) {
                         record.grad_norm = report.grad_norm.unwrap_or(record.grad_norm);
@@ -70,10 +80,10 @@ impl Server {
                     // Finite updates can still sum past f32's range; the round's start model
                     // is kept so that such a round is dropped rather than published.
                     let previous = self.global.clone();
-                    record.update_norm = self.strategy.aggregate(open.round, &mut self.global, &sum)?;
+                    record.update_norm = self.strategy.aggregate(open.collector.round(), &mut self.global, &sum)?;
                     if let Some(tensor) = self.global.first_non_finite().map(str::to_string) {
                         tracing::warn!(
-                            round = open.round,
+                            round = open.collector.round(),
                             tensor,
                             "the round would make the global model non-finite; it is dropped and the model stays"
                         );
@@ -84,16 +94,16 @@ impl Server {
                     } else {
                         let registered = self.state.devices.len();
                         let previous = self.client_term.needs_previous_model().then_some(&previous);
-                        self.client_term.after_round(previous, &self.global, open.controls.as_ref(), registered);
+                        self.client_term.after_round(previous, &self.global, registered);
                         if let Some(acc) = self.state.privacy.as_mut() {
-                            acc.add_round(open.selected.len() as f64 / open.population.max(1) as f64);
+                            acc.add_round(open.collector.selected().len() as f64 / open.population.max(1) as f64);
                         }
                     }
-                    self.spent_sum = Some(sum);
+                    self.spent_sum = sum.into_buffers();
                 }
                 Err(why) => record.unchanged = Some(why),
             }
-            self.state.round = open.round;
+            self.state.round = open.collector.round();
             let aggregated = Instant::now();
             let encoded = self.global.encode();
             self.state.global_digest = hex::encode(encoded.digest());
@@ -120,7 +130,7 @@ impl Server {
         self.metrics.append(&record)?;
         print_round(&record, self.job.rounds);
         let result = RoundResult {
-            round: open.round,
+            round: open.collector.round(),
             participants,
             train_loss: record.train_loss,
             global_digest: hex::decode(&self.state.global_digest).unwrap_or_default(),

@@ -4,110 +4,39 @@
 
 use anyhow::{bail, Result};
 use fedpo_wire::{
-    byte_bounds, keys, Bundle, BundleBytes, BundleProgress, TensorPayload, TransferChunk, Update, UpdateCodec,
-    WireDType,
+    byte_bounds, Bundle, BundleBytes, BundleProgress, TensorPayload, TransferChunk, Update, UpdateCodec, WireDType,
 };
 
-use super::{OpenRound, Server};
-use crate::accumulator::WeightedSum;
+use super::collector::{Announcement, Expected};
+use super::{Aggregator, OpenRound};
+use crate::diagnostics::Diagnostics;
 use crate::global_model::GlobalModel;
+use crate::weighted_sum::WeightedSum;
 
 /// Updates in flight whose chunks wait in memory; later ones are spooled to files.
 pub(super) const UPDATES_IN_MEMORY: usize = 2;
 
-impl Server {
-    /// Refuses an announcement that a later one from the device may put right.
-    fn refuse_update(&mut self, device: &str, round: u64, why: String) {
-        self.warnings.warn(device, "update", &format!("round {round}: update refused: {why}"));
-    }
-
-    /// Refuses for good: the same announcement again would be refused again, so the
-    /// round stops waiting for this device.
-    fn refuse_for_good(&mut self, open: &mut OpenRound, device: &str, why: String) {
-        self.warnings.warn(device, "update", &format!("round {}: update refused: {why}", open.round));
-        open.rejected.insert(device.to_string(), why);
-        open.refused.insert(device.to_string());
-    }
-
-    pub(super) fn start_update(&mut self, open: &mut OpenRound, device: &str, mut u: Update) {
-        let round = u.round;
-        if u.device != device {
-            return self.refuse_update(
-                device,
-                round,
-                format!("it names device `{}` but came on {device}'s topic", u.device),
-            );
-        }
-        if u.round != open.round {
-            return self.refuse_update(
-                device,
-                round,
-                format!("it is for round {}, the open round is {}", u.round, open.round),
-            );
-        }
-        if !open.selected.contains(device) {
-            return self.refuse_update(device, round, "the device was not selected this round".into());
-        }
-        if open.reported.contains_key(device) {
-            return; // a duplicate delivery or a resend of an update already counted
-        }
-        if open.transfers.get(device).is_some_and(|(_, b)| b.manifest() == &u.update) {
-            return; // the same update announced again while its chunks are arriving
-        }
-        if let Err(why) = check_metrics(&u.metrics) {
-            return self.refuse_for_good(open, device, why);
-        }
-        // A device weighs what it declared when it joined, whatever an update claims.
-        let declared = self.state.devices.get(device).map_or(0, |d| d.pairs);
-        if u.pairs > declared {
-            let why = format!("update claims {} pairs, its hello {declared}; counted as declared", u.pairs);
-            self.warnings.warn(device, "pairs", &why);
-            u.pairs = declared;
-        }
-        let transfer = format!("r{}/{device}", open.round);
-        if u.update.transfer != transfer {
-            return self.refuse_update(device, round, format!("transfer id `{}` is not {transfer}", u.update.transfer));
-        }
-        let required = self.client_term.required_section().filter(|_| !open.evaluation);
-        for (name, m) in &u.sections {
-            let expected =
-                Some(name.as_str()) == required || (name == keys::DIAGNOSTIC_GRADIENT && open.diagnostics.is_some());
-            if !expected {
-                return self.refuse_update(device, round, format!("unexpected section `{name}`"));
+impl Aggregator {
+    pub(super) fn start_update(&mut self, open: &mut OpenRound, device: &str, u: Update) {
+        let expected = Expected {
+            required_section: self.client_term.required_section(),
+            client_term: self.client_term.kind().name(),
+            optional_section: open.diagnostics.is_some().then_some(crate::diagnostics::SECTION),
+            update_bytes: update_bytes_bound(&self.global, open.plan.update_codec),
+            section_bytes: update_bytes_bound(&self.global, UpdateCodec::F32),
+            declared_pairs: self.state.devices.get(device).map_or(0, |d| d.pairs),
+        };
+        let in_flight = open.transfers.get(device).map(|(_, b)| b.manifest());
+        let u = match open.collector.announce(device, u, in_flight, &expected) {
+            Announcement::Ignore => return,
+            Announcement::Refused { round, why } => return self.refuse_update(device, round, why),
+            Announcement::Accepted { update, clamped } => {
+                if let Some(why) = clamped {
+                    self.warnings.warn(device, "pairs", &why);
+                }
+                *update
             }
-            if m.transfer != format!("{transfer}/{name}") {
-                return self.refuse_update(
-                    device,
-                    round,
-                    format!("section `{name}` has transfer id `{}`, not {transfer}/{name}", m.transfer),
-                );
-            }
-        }
-        // Sizes are bounded by the shared set before a byte is stored: the transfer's
-        // buffer is reserved, or its chunks spooled, on the word of the announcement.
-        let oversized =
-            std::iter::once(("update", u.update.bytes, update_bytes_bound(&self.global, open.plan.update_codec)))
-                .chain(
-                    u.sections
-                        .iter()
-                        .map(|(name, m)| (name.as_str(), m.bytes, update_bytes_bound(&self.global, UpdateCodec::F32))),
-                )
-                .find(|(_, bytes, bound)| bytes > bound);
-        if let Some((what, bytes, bound)) = oversized {
-            return self.refuse_for_good(
-                open,
-                device,
-                format!("its {what} announces {bytes} bytes, more than the shared set takes ({bound} at most)"),
-            );
-        }
-        if let Some(name) = required.filter(|n| !u.sections.contains_key(*n)) {
-            open.rejected.insert(device.to_string(), format!("no `{name}` section"));
-            return self.refuse_update(
-                device,
-                round,
-                format!("the job runs {} but the update has no `{name}` section", self.client_term.kind.name()),
-            );
-        }
+        };
         // The first updates in flight wait in memory, the rest in spool files: a small fleet
         // is spared writing and reading back every update, and memory stays O(model).
         let in_memory = open.transfers.values().filter(|(_, b)| b.in_memory()).count();
@@ -120,14 +49,23 @@ impl Server {
             Ok(b) => {
                 open.transfers.insert(device.to_string(), (u, b));
             }
-            Err(e) => self.refuse_for_good(open, device, e.to_string()),
+            Err(e) => {
+                if let Announcement::Refused { round, why } = open.collector.refuse_for_good(device, e.to_string()) {
+                    self.refuse_update(device, round, why);
+                }
+            }
         }
+    }
+
+    /// Warns that `device`'s update of `round` was refused.
+    fn refuse_update(&mut self, device: &str, round: u64, why: String) {
+        self.warnings.warn(device, "update", &format!("round {round}: update refused: {why}"));
     }
 
     pub(super) fn accept_chunk(&mut self, open: &mut OpenRound, device: &str, chunk: TransferChunk) {
         let Some((_, bundle)) = open.transfers.get_mut(device) else { return };
         let len = chunk.bytes.len() as u64;
-        let diagnostic = chunk.transfer.ends_with(&format!("/{}", keys::DIAGNOSTIC_GRADIENT));
+        let diagnostic = Diagnostics::carries(&chunk.transfer);
         match bundle.accept(chunk) {
             Ok(BundleProgress::Foreign | BundleProgress::Duplicate) => {}
             Ok(progress) => {
@@ -141,13 +79,13 @@ impl Server {
                     if let Some(sec) = open.secure.as_mut() {
                         match sec.add_input(device, update.pairs, &bytes, &self.limits) {
                             Ok(()) => {
-                                open.reported.insert(device.to_string(), (update.pairs, update.metrics));
-                                tracing::info!(%device, reported = open.reported.len(), of = open.selected.len(), "masked input accepted");
+                                open.collector.report(device, update.pairs, update.metrics);
+                                let (reported, of) = (open.collector.reported().len(), open.collector.selected().len());
+                                tracing::info!(%device, reported, of, "masked input accepted");
                             }
                             Err(e) => {
                                 self.warnings.warn(device, "update", &format!("masked input refused: {e}"));
-                                open.rejected.insert(device.to_string(), e.to_string());
-                                open.refused.insert(device.to_string());
+                                open.collector.refuse_for_good(device, e.to_string());
                             }
                         }
                         return;
@@ -156,31 +94,29 @@ impl Server {
                         Ok((delta, sections)) => {
                             open.updates.add(&delta, update.pairs as f64);
                             for (name, payload) in &sections {
-                                if name == keys::DIAGNOSTIC_GRADIENT {
-                                    if let Some(d) = open.diagnostics.as_mut() {
-                                        d.add_gradient(payload);
-                                    }
-                                } else if let Some(controls) = open.controls.as_mut() {
-                                    controls.add(payload, 1.0);
+                                let diagnostic =
+                                    open.diagnostics.as_mut().is_some_and(|d| d.take_section(name, payload));
+                                if !diagnostic {
+                                    self.client_term.take_section(name, payload);
                                 }
                             }
                             if let Some(d) = open.diagnostics.as_mut() {
                                 d.add_update(&delta);
                             }
-                            open.reported.insert(device.to_string(), (update.pairs, update.metrics));
-                            tracing::info!(%device, reported = open.reported.len(), of = open.selected.len(), "update accepted");
+                            open.collector.report(device, update.pairs, update.metrics);
+                            let (reported, of) = (open.collector.reported().len(), open.collector.selected().len());
+                            tracing::info!(%device, reported, of, "update accepted");
                         }
                         Err(e) => {
                             self.warnings.warn(device, "update", &format!("update refused: {e}"));
-                            open.rejected.insert(device.to_string(), e.to_string());
-                            open.refused.insert(device.to_string());
+                            open.collector.refuse_for_good(device, e.to_string());
                         }
                     }
                 }
             }
             Err(e) => {
                 self.warnings.warn(device, "transfer", &format!("update transfer failed: {e}"));
-                open.rejected.insert(device.to_string(), e.to_string());
+                open.collector.transfer_failed(device, e.to_string());
             }
         }
     }
@@ -200,7 +136,7 @@ impl Server {
                 codec.dtype()
             );
         }
-        if delta.tensors.is_empty() && !open.evaluation {
+        if delta.tensors.is_empty() && !open.collector.evaluation() {
             bail!("an empty update in a training round")
         }
         if let Some(max) = self.job.max_update_norm {
@@ -239,24 +175,4 @@ pub(super) fn update_bytes_bound(global: &GlobalModel, codec: UpdateCodec) -> u6
         let framing = TENSOR_FRAMING + t.name.len() as u64 + 9 * shape.len() as u64;
         total.saturating_add(largest).saturating_add(framing)
     })
-}
-
-/// What a device reports must be a measurement: finite, accuracies within [0, 1], the
-/// rest not negative. Anything else would reach `metrics.jsonl` and the summary as null.
-fn check_metrics(m: &fedpo_wire::UpdateMetrics) -> Result<(), String> {
-    let fields = [
-        ("train_loss", Some(m.train_loss), f64::INFINITY),
-        ("reward_acc", Some(m.reward_acc), 1.0),
-        ("heldout_acc", m.heldout_acc, 1.0),
-        ("grad_norm", Some(m.grad_norm), f64::INFINITY),
-        ("seconds", Some(m.seconds), f64::INFINITY),
-        ("peak_rss_mib", m.peak_rss_mib, f64::INFINITY),
-    ];
-    for (name, value, most) in fields {
-        if let Some(v) = value.filter(|v| !(v.is_finite() && (0.0..=most).contains(v))) {
-            let range = if most == 1.0 { "within [0, 1]" } else { "finite and not negative" };
-            return Err(format!("its metric {name} = {v} is not {range}"));
-        }
-    }
-    Ok(())
 }

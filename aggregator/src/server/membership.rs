@@ -9,10 +9,10 @@ use fedpo_wire::device_tag::{self, Tagged};
 use fedpo_wire::{DeviceBye, DeviceHello};
 
 use super::identity::Claim;
-use super::{OpenRound, Server, MAX_RESENDS};
+use super::{Aggregator, OpenRound};
 use crate::checkpoint::DeviceRecord;
 
-impl Server {
+impl Aggregator {
     /// Declares the fleet closed: `devices` devices, none joining later and none returning
     /// after a goodbye of its own (a simulation's). When all of them have left, the job
     /// fails with their reasons instead of waiting for devices that will not come.
@@ -116,9 +116,7 @@ impl Server {
                 }
                 if let Some(open) = open {
                     open.transfers.remove(&device);
-                    if open.selected.contains(&device) && !open.reported.contains_key(&device) {
-                        open.rejected.insert(device.clone(), "two devices claim this id".into());
-                    }
+                    open.collector.conflicted(&device);
                 }
                 return Ok(());
             }
@@ -137,11 +135,7 @@ impl Server {
         let record = DeviceRecord { pairs: h.pairs, backend: h.backend, online: true, connection: h.connection };
         self.state.devices.insert(device.clone(), record);
         if let Some(open) = open {
-            let waiting = open.selected.contains(&device) && !open.reported.contains_key(&device);
-            let resends = open.resends.entry(device.clone()).or_default();
-            let asked_again = reconnected || open.published_at.elapsed() > Duration::from_secs(5);
-            if waiting && asked_again && *resends < MAX_RESENDS {
-                *resends += 1;
+            if open.collector.asks_again(&device, reconnected, Instant::now()) {
                 tracing::info!(%device, reconnected, "device asked again; resending the plan and model");
                 self.publish_plan(open)?;
             }

@@ -8,7 +8,7 @@
 //! updates in (checks, chunks, verification) in [`intake`], and closing a round (combining,
 //! checkpointing, announcing) in [`closing`].
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -16,35 +16,35 @@ use anyhow::{bail, Context, Result};
 use fedpo_transport::{LinkEvent, MqttLink, Topics, WarnThrottle};
 use fedpo_wire::{
     keys, split_payload, Bundle, EncodedPayload, Hyperparameters, Limits, Message, RoundPlan, RoundResult, Signer,
-    TransferChunk, Update, UpdateMetrics, DEFAULT_CHUNK_BYTES,
+    TransferChunk, Update, DEFAULT_CHUNK_BYTES,
 };
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 
-use crate::accumulator::WeightedSum;
-use crate::aggregation::RoundUpdates;
+use crate::algorithms::client_term::ClientTerm;
+use crate::algorithms::dp::RdpAccountant;
+use crate::algorithms::strategy::Strategy;
 use crate::checkpoint::{CheckpointDir, ServerState, STATE_FORMAT};
-use crate::client_term::ClientTerm;
+use crate::combine::RoundUpdates;
+use crate::combined_update::CombinedUpdate;
 use crate::diagnostics::Diagnostics;
 use crate::global_model::GlobalModel;
-use crate::job::JobArgs;
+use crate::job_args::JobArgs;
 use crate::metrics::{mean, MetricsLog, RoundRecord, Summary};
-use crate::privacy::RdpAccountant;
-use crate::strategy::Strategy;
+use crate::weighted_sum::WeightedSum;
 
 mod closing;
+mod collector;
 mod identity;
 mod intake;
 mod membership;
-mod secure;
+mod secure_collect;
 
+use collector::{Decline, RoundCollector, Status};
 use identity::Identities;
 
-/// Resend the model to a device that asks again at most this often per round.
-const MAX_RESENDS: u32 = 3;
-
-pub(crate) struct Server {
+pub(crate) struct Aggregator {
     link: MqttLink,
     topics: Topics,
     job: JobArgs,
@@ -84,35 +84,25 @@ pub(crate) struct Server {
     farewells: BTreeMap<String, String>,
 }
 
-/// A round being collected.
+/// A round being collected: its bookkeeping, and the plan, transfers and sums the
+/// bookkeeping decides about.
 struct OpenRound {
-    round: u64,
-    evaluation: bool,
-    selected: BTreeSet<String>,
+    collector: RoundCollector,
     plan: RoundPlan,
     chunks: Vec<TransferChunk>,
-    published_at: Instant,
     transfers: HashMap<String, (Update, Bundle)>,
-    reported: BTreeMap<String, (u64, UpdateMetrics)>,
-    resends: HashMap<String, u32>,
     /// Devices online when the round selected its participants (for DP's sampling rate).
     population: usize,
     updates: RoundUpdates,
-    /// SCAFFOLD's Σ Δc_i.
-    controls: Option<WeightedSum>,
     diagnostics: Option<Diagnostics>,
     diagnostics_bytes: u64,
-    rejected: BTreeMap<String, String>,
-    /// Devices whose complete, intact update was refused: resending would send the same
-    /// bytes, so the round stops waiting for them.
-    refused: BTreeSet<String>,
     bytes_up: u64,
     bytes_up_by_device: BTreeMap<String, u64>,
     bytes_down: u64,
     /// Secure aggregation's state, in a round that uses it.
-    secure: Option<secure::SecureCollect>,
+    secure: Option<secure_collect::SecureCollect>,
     /// The unmasked mean update of a secure round.
-    secure_sum: Option<WeightedSum>,
+    secure_sum: Option<CombinedUpdate>,
 }
 
 /// Refuses to overwrite a job's checkpoint unless resuming it.
@@ -123,7 +113,7 @@ pub(crate) fn check_out_dir(out: &Path, resume: bool) -> Result<()> {
     Ok(())
 }
 
-impl Server {
+impl Aggregator {
     /// Loads the checkpoint under `out` with `resume`, or starts from the initial model.
     pub(crate) fn new(link: MqttLink, job: JobArgs, out: &Path, resume: bool) -> Result<Self> {
         job.validate()?;
@@ -211,7 +201,7 @@ impl Server {
             signer,
             identities: Identities::default(),
             warnings: WarnThrottle::default(),
-            allowed: job.devices_file.as_deref().map(crate::job::read_devices_file).transpose()?,
+            allowed: job.devices_file.as_deref().map(crate::job_args::read_devices_file).transpose()?,
             device_passwords: None,
             epoch: rand::random(),
             link,
@@ -309,6 +299,7 @@ impl Server {
         let mut strategy = self.strategy.configure_round(round);
         let mut sections = BTreeMap::new();
         if !evaluation {
+            self.client_term.begin_round(&self.global);
             self.client_term.configure(&mut strategy);
             if self.job.diagnoses(round) {
                 strategy.insert(keys::DIAGNOSTICS.into(), 1.0);
@@ -324,7 +315,7 @@ impl Server {
         }
         let secure = if !evaluation && self.job.secure_aggregation {
             let max_pairs = selected.iter().filter_map(|d| self.state.devices.get(d)).map(|d| d.pairs).max();
-            Some(secure::SecureCollect::new(
+            Some(secure_collect::SecureCollect::new(
                 round,
                 &selected,
                 &self.global,
@@ -358,23 +349,14 @@ impl Server {
         };
         let training = !evaluation;
         let mut open = OpenRound {
-            round,
-            evaluation,
-            selected: selected.iter().cloned().collect(),
+            collector: RoundCollector::new(round, evaluation, &selected, Duration::from_secs(self.job.round_deadline)),
             plan,
             chunks,
-            published_at: Instant::now(),
             transfers: HashMap::new(),
-            reported: BTreeMap::new(),
-            resends: HashMap::new(),
             population,
             updates: RoundUpdates::new(&self.global, &self.job.aggregation, self.spent_sum.take()),
-            controls: (training && self.client_term.required_section().is_some())
-                .then(|| WeightedSum::new(&self.global)),
             diagnostics: (training && self.job.diagnoses(round)).then(|| Diagnostics::new(&self.global)),
             diagnostics_bytes: 0,
-            rejected: BTreeMap::new(),
-            refused: BTreeSet::new(),
             bytes_up: 0,
             bytes_up_by_device: BTreeMap::new(),
             bytes_down: 0,
@@ -383,27 +365,24 @@ impl Server {
         };
         tracing::info!(selected = ?selected, evaluation, "round starts");
         self.publish_plan(&mut open)?;
-        let deadline = Instant::now() + Duration::from_secs(self.job.round_deadline);
         loop {
-            let missing: Vec<&String> = open
-                .selected
-                .iter()
-                .filter(|d| !open.reported.contains_key(*d) && !open.refused.contains(*d))
-                .collect();
-            if missing.is_empty() {
-                break;
-            }
-            if missing.iter().all(|d| !self.state.devices.get(*d).is_some_and(|r| r.online)) {
-                tracing::warn!(missing = ?missing, "every missing device went offline; closing the round");
-                break;
-            }
-            if Instant::now() > deadline {
-                tracing::warn!(missing = ?missing, "round deadline passed");
-                break;
+            let online = |d: &str| self.state.devices.get(d).is_some_and(|r| r.online);
+            match open.collector.status(Instant::now(), online) {
+                Status::Waiting => {}
+                Status::Complete => break,
+                Status::MissingOffline(missing) => {
+                    tracing::warn!(missing = ?missing, "every missing device went offline; closing the round");
+                    break;
+                }
+                Status::DeadlinePassed(missing) => {
+                    tracing::warn!(missing = ?missing, "round deadline passed");
+                    break;
+                }
             }
             self.poll(Duration::from_millis(200), Some(&mut open))?;
             self.secure_progress(&mut open)?;
         }
+        let deadline = open.collector.deadline().unwrap_or_else(Instant::now);
         if open.secure.is_some() {
             match self.secure_unmask(&mut open, deadline) {
                 Ok(sum) => open.secure_sum = Some(sum),
@@ -429,7 +408,7 @@ impl Server {
     /// missing, so those that already reported do not send their update again.
     fn publish_plan(&mut self, open: &mut OpenRound) -> Result<()> {
         let mut plan = open.plan.clone();
-        plan.selected.retain(|d| !open.reported.contains_key(d));
+        plan.selected.retain(|d| !open.collector.has_reported(d));
         plan.sender_epoch = self.epoch;
         if let Some(signer) = &self.signer {
             signer.sign(&mut plan);
@@ -440,7 +419,7 @@ impl Server {
             open.bytes_down += c.bytes.len() as u64;
             self.link.publish(&self.topics.down(), Message::encode_chunk(c))?;
         }
-        open.published_at = Instant::now();
+        open.collector.published(Instant::now());
         tracing::debug!(
             chunks = open.chunks.len(),
             seconds = format_args!("{:.3}", publishing.elapsed().as_secs_f64()),
@@ -460,7 +439,10 @@ impl Server {
                 // devices still missing get the plan again (those that already trained
                 // answer with the same update).
                 if let Some(open) = open {
-                    tracing::info!(round = open.round, "reconnected to the broker; publishing the plan again");
+                    tracing::info!(
+                        round = open.collector.round(),
+                        "reconnected to the broker; publishing the plan again"
+                    );
                     self.publish_plan(open)?;
                 }
                 return Ok(());
@@ -477,10 +459,9 @@ impl Server {
                 self.warnings.warn(&device, "undecodable", &format!("ignoring undecodable message: {e}"));
                 // An honest device never sends one (sizes are checked as a message is
                 // decoded): a device the round waits for is not waited for any longer.
-                if let Some(open) = open.filter(|o| o.selected.contains(&device) && !o.reported.contains_key(&device)) {
-                    if open.refused.insert(device.clone()) {
+                if let Some(open) = open {
+                    if open.collector.undecodable(&device, &e.to_string()) {
                         open.transfers.remove(&device);
-                        open.rejected.insert(device, format!("undecodable message: {e}"));
                     }
                 }
                 return Ok(());
@@ -491,16 +472,22 @@ impl Server {
             Message::Bye(b) => self.on_bye(device, &b),
             Message::Update(_) | Message::Chunk(_) | Message::SecAgg(_) | Message::Declined(_)
                 if self.identities.is_conflicted(&device) => {}
-            Message::Declined(d) => match open {
-                Some(open) if d.device == device && d.round == open.round && open.selected.contains(&device) => {
-                    if !open.reported.contains_key(&device) && open.refused.insert(device.clone()) {
-                        tracing::warn!(%device, reason = %d.reason, "device sits this round out");
-                        open.transfers.remove(&device);
-                        open.rejected.insert(device, format!("declined: {}", d.reason));
+            Message::Declined(d) => {
+                let decline = match open {
+                    Some(open) if d.device == device => {
+                        let decline = open.collector.decline(&device, d.round, &d.reason);
+                        if decline == Decline::Counted {
+                            tracing::warn!(%device, reason = %d.reason, "device sits this round out");
+                            open.transfers.remove(&device);
+                        }
+                        decline
                     }
+                    _ => Decline::NotForThisRound,
+                };
+                if decline == Decline::NotForThisRound {
+                    tracing::debug!(%device, round = d.round, "a decline for no round of this device's; ignored");
                 }
-                _ => tracing::debug!(%device, round = d.round, "a decline for no round of this device's; ignored"),
-            },
+            }
             Message::SecAgg(m) => {
                 if let Some(open) = open {
                     self.secure_message(open, &device, m);

@@ -4,11 +4,11 @@
 //! [`participant::run`] joins a job over MQTT and, in every round that selects it, trains
 //! the received global model with its private adapter and uploads only the shared delta.
 
+mod algorithms;
 mod error;
-mod local_terms;
+mod local_round;
 pub mod memory;
 pub mod participant;
-mod round;
 mod state_dir;
 
 pub use state_dir::{read_latest_model, LatestModel};

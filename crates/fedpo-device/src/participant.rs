@@ -13,26 +13,30 @@ use std::time::{Duration, Instant};
 use candle_core::Device;
 use fedpo_data::{fingerprint, tokenize_pairs, PreferencePair, TokenizedPair};
 use fedpo_model::Gpt2Tokenizer;
-use fedpo_transport::{BrokerUrl, LinkEvent, LinkOptions, MqttLink, TlsFiles, Topics, WarnThrottle};
+use fedpo_transport::{BrokerUrl, LinkEvent, LinkOptions, MqttLink, TlsFiles, Topics};
 use fedpo_wire::{
     Bundle, BundleProgress, DeviceBye, DeviceHello, EncodedPayload, Limits, Message, RoundDeclined, RoundPlan,
     TensorPayload, TrustedKey, WireDType, DEFAULT_CHUNK_BYTES,
 };
 
-use crate::local_terms::start_placement;
+use crate::algorithms::start_placement;
+use crate::local_round::{train_round, RoundInputs};
 use crate::memory::{self, longest, PlanRequest, StepKernels};
-use crate::round::{train_round, RoundInputs};
 use crate::state_dir::StateDir;
 
 mod admission;
 mod download;
-mod secure;
+mod secure_round;
+mod session;
 mod slots;
+#[cfg(test)]
+mod test_plan;
 mod upload;
 
 pub use slots::{Slot, TrainingSlots};
 
 use download::{receive, Received};
+use session::{Action, Event, Session, Standing};
 use upload::publish_update;
 
 pub use crate::error::ParticipantError;
@@ -148,19 +152,14 @@ struct Participant {
     start_on_disk: bool,
     /// This process's instance number, sent with every hello.
     instance: u64,
-    /// Connections to the broker so far, sent with every hello.
-    connection: u32,
-    /// The round, the aggregator's epoch and our connection when this process last sent
-    /// an update: a plan for that round under the same two asks for nothing new.
-    sent_under: Option<(u64, u64, u32)>,
-    /// The `sender_epoch` of the latest plan that selected this device.
-    plan_epoch: u64,
+    /// The round logic: what to do with each event.
+    session: Session,
+    /// The pending round's transfers, while they arrive.
+    bundle: Option<Bundle>,
+    /// The pending round's transfers, complete, until the session says to train.
+    received: Option<Received>,
     /// The current round's secure-aggregation state, if its plan asked for it.
-    secure: Option<secure::SecureRound>,
-    /// `--rejoin`, until a new run has been joined.
-    rejoin: bool,
-    /// Warnings about refused messages, rate-limited.
-    refused: WarnThrottle,
+    secure: Option<secure_round::SecureRound>,
 }
 
 /// Joins the job and takes part until the aggregator finishes it or `cfg.stop` is set.
@@ -209,6 +208,7 @@ pub fn run(cfg: ParticipantConfig) -> Result<ParticipantSummary, ParticipantErro
         .chain(std::iter::once(&pad_id))
         .max()
         .map_or(0, |&id| id as usize + 1);
+    let (cfg_id, cfg_job, cfg_rejoin) = (cfg.id.clone(), cfg.job.clone(), cfg.rejoin);
     let mut p = Participant {
         cfg,
         topics,
@@ -224,14 +224,11 @@ pub fn run(cfg: ParticipantConfig) -> Result<ParticipantSummary, ParticipantErro
         micro_batch_pairs: None,
         start_on_disk: false,
         instance,
-        connection: 1,
-        sent_under: None,
-        plan_epoch: 0,
+        session: Session::new(&cfg_id, &cfg_job, cfg_rejoin, Instant::now()),
+        bundle: None,
+        received: None,
         secure: None,
-        rejoin: false,
-        refused: WarnThrottle::default(),
     };
-    p.rejoin = p.cfg.rejoin;
     let span = tracing::info_span!("device", id = %p.cfg.id);
     let _enter = span.enter();
     if let Err(e) = p.event_loop() {
@@ -267,7 +264,7 @@ impl Participant {
             backend: format!("{:?}", self.cfg.compute).to_lowercase(),
             memory_mb: self.cfg.max_memory_mib.or_else(fedpo_process::usage::available_mib).unwrap_or(0),
             instance: self.instance,
-            connection: self.connection,
+            connection: self.session.connection(),
             tag: Vec::new(),
         };
         self.send(&Message::Hello(tagged(hello, &self.cfg.broker)))
@@ -319,177 +316,157 @@ impl Participant {
         Ok(())
     }
 
+    /// The driver: waits for the link, turns what arrives into the session's events, and
+    /// carries out the actions the session returns.
     fn event_loop(&mut self) -> Result<(), ParticipantError> {
-        // The plan being received, its bundle, and when its first chunk was awaited.
-        let mut pending: Option<(RoundPlan, Bundle, Instant)> = None;
-        let mut heard_aggregator = false;
-        let mut last_hello = Instant::now();
-        let mut connected_once = false;
-        self.hello()?;
+        if self.apply(Event::Started)? {
+            return Ok(());
+        }
         loop {
             if self.cfg.stop.load(Ordering::SeqCst) {
                 tracing::info!("stopping on request");
                 return Ok(());
             }
             let event = self.link.recv_timeout(Duration::from_millis(200))?;
-            // Until the aggregator answers, say hello now and then: it may start later.
-            if !heard_aggregator && last_hello.elapsed() > Duration::from_secs(2) {
-                self.hello()?;
-                last_hello = Instant::now();
+            if self.apply(Event::Tick)? {
+                return Ok(());
             }
-            let delivery = match event {
+            let event = match event {
                 None => continue,
-                Some(LinkEvent::Connected) if !connected_once => {
-                    connected_once = true; // the connection the first hello went out on
-                    continue;
-                }
-                Some(LinkEvent::Connected) => {
-                    // After a reconnect, plans, chunks or our own update may have been
-                    // lost: a hello with a new connection number asks for the plan again.
-                    self.connection += 1;
-                    self.hello()?;
-                    continue;
-                }
-                Some(LinkEvent::Disconnected(reason)) => {
-                    tracing::warn!(%reason, "lost the broker; reconnecting");
-                    continue;
-                }
-                Some(LinkEvent::Message(d)) => d,
+                Some(LinkEvent::Connected) => Event::Connected,
+                Some(LinkEvent::Disconnected(reason)) => Event::Disconnected(reason.to_string()),
+                Some(LinkEvent::Message(delivery)) => match Message::decode_shared(&delivery.payload, &self.limits) {
+                    Ok(msg) => match self.event_of(msg)? {
+                        Some(event) => event,
+                        None => continue,
+                    },
+                    Err(e) => {
+                        tracing::warn!(topic = %delivery.topic, error = %e, "ignoring undecodable message");
+                        continue;
+                    }
+                },
             };
-            let msg = match Message::decode_shared(&delivery.payload, &self.limits) {
-                Ok(m) => m,
-                Err(e) => {
-                    tracing::warn!(topic = %delivery.topic, error = %e, "ignoring undecodable message");
-                    continue;
-                }
-            };
-            match msg {
-                Message::Plan(plan) => {
-                    if !self.admit_plan(&plan)? {
-                        continue;
-                    }
-                    heard_aggregator = true;
-                    if !plan.selected.iter().any(|d| d == &self.cfg.id) {
-                        continue;
-                    }
-                    self.plan_epoch = plan.sender_epoch;
-                    let progress = self.state.progress()?;
-                    let model_digest = hex::encode(&plan.global_model.digest);
-                    if plan.round < progress.last_round {
-                        let why = format!(
-                            "ignoring round {}'s plan: this device trained round {} of the run",
-                            plan.round, progress.last_round
-                        );
-                        self.refused.warn("aggregator", "old round", &why);
-                        continue;
-                    }
-                    if self.secure_round_trained(plan.round) {
-                        // Resent while this device waits for the others' shares: it
-                        // trained already; its keys may have been lost, so send them again.
-                        if let Some(settings) = plan.secagg {
-                            self.secure_plan(&plan, settings)?;
-                        }
-                        continue;
-                    }
-                    if plan.round == progress.last_round {
-                        if self.sent_under == Some((plan.round, plan.sender_epoch, self.connection)) {
-                            // Resent for another device: ours is on its way, or arrived.
-                            continue;
-                        }
-                        // The aggregator restarted or reconnected mid-round, or we did, or this
-                        // process never sent it: send the same update again.
-                        match self.state.last_update() {
-                            Some(sent) if sent.update.round == plan.round && sent.global_digest == model_digest => {
-                                tracing::info!(round = plan.round, "resending this round's update");
-                                let topic = self.topics.up(&self.cfg.id);
-                                self.summary.bytes_up += publish_update(&self.link, &topic, &sent)?;
-                                self.sent_under = Some((plan.round, plan.sender_epoch, self.connection));
-                            }
-                            _ => tracing::warn!(round = plan.round, "plan for a round already trained; ignoring"),
-                        }
-                        continue;
-                    }
-                    if pending
-                        .as_ref()
-                        .is_some_and(|(p, _, _)| p.round == plan.round && p.global_model == plan.global_model)
-                    {
-                        // The same plan again, e.g. resent for another device; the keys
-                        // may have been lost with it.
-                        if let Some(settings) = plan.secagg {
-                            self.secure_plan(&plan, settings)?;
-                        }
-                        continue;
-                    }
-                    self.fit_memory(&plan)?;
-                    if let Some(settings) = plan.secagg {
-                        self.secure_plan(&plan, settings)?;
-                    }
-                    // Whoever can publish on the down topic can announce any size: a plan
-                    // is followed only for a transfer its own model spec accounts for.
-                    let bundle = match receive(&plan, &self.limits, self.incoming.as_deref()) {
-                        Ok(b) => b,
-                        Err(why) => {
-                            tracing::warn!(round = plan.round, "ignoring a plan whose transfers do not fit it: {why}");
-                            continue;
-                        }
-                    };
-                    tracing::info!(
-                        round = plan.round,
-                        bytes = plan.global_model.bytes,
-                        "selected; receiving the model"
-                    );
-                    pending = Some((plan, bundle, Instant::now()));
-                }
-                Message::Chunk(chunk) => {
-                    let Some((_, bundle, _)) = pending.as_mut() else { continue };
-                    let received = match bundle.accept(chunk) {
-                        Ok(BundleProgress::Complete(bytes)) => Some(Received::Bytes(bytes)),
-                        Ok(BundleProgress::Kept(kept)) => Some(Received::Kept(kept)),
-                        Ok(_) => None,
-                        Err(e) => {
-                            tracing::warn!(error = %e, "global model transfer failed; asking again");
-                            self.hello()?;
-                            None
-                        }
-                    };
-                    if let Some(received) = received {
-                        let (plan, _, since) = pending.take().expect("pending plan");
-                        tracing::debug!(
-                            round = plan.round,
-                            seconds = format_args!("{:.3}", since.elapsed().as_secs_f64()),
-                            "model received"
-                        );
-                        self.summary.bytes_down += received.len();
-                        // A round that cannot run (a model that does not fit, a
-                        // non-finite loss) costs this round only: the device stays
-                        // in the job and the aggregator's deadline moves on.
-                        if let Err(e) = self.round(&plan, received) {
-                            tracing::error!(round = plan.round, error = %e, "round failed; waiting for the next plan");
-                            self.decline(plan.round, &e.to_string())?;
-                        }
-                    }
-                }
-                Message::Result(result) => {
-                    if !self.admit_result(&result)? {
-                        continue;
-                    }
-                    heard_aggregator = true;
-                    if result.finished {
-                        tracing::info!(round = result.round, "job finished");
-                        return Ok(());
-                    }
-                }
-                Message::SecAgg(m) => {
-                    if let Err(e) = self.secure_message(m) {
-                        tracing::error!(error = %e, "secure aggregation step failed");
-                    }
-                }
-                Message::Hello(_) | Message::Update(_) | Message::Bye(_) | Message::Declined(_) => {}
+            if self.apply(event)? {
+                return Ok(());
             }
         }
     }
 
-    fn round(&mut self, plan: &RoundPlan, received: Received) -> Result<(), ParticipantError> {
+    /// The session's event for a message from the aggregator, after the checks that need
+    /// the device's keys and state; `None` for messages the session has no part in.
+    fn event_of(&mut self, msg: Message) -> Result<Option<Event>, ParticipantError> {
+        Ok(Some(match msg {
+            Message::Plan(plan) => match self.authenticate(&plan) {
+                Err(why) => Event::Unauthentic { what: "plan", why },
+                Ok(()) => {
+                    let standing = self.standing(plan.round)?;
+                    Event::Plan(Arc::new(plan), standing)
+                }
+            },
+            Message::Result(result) => match self.authenticate(&result) {
+                Err(why) => Event::Unauthentic { what: "result", why },
+                Ok(()) => Event::Result {
+                    round: result.round,
+                    finished: result.finished,
+                    standing: self.standing(result.round)?,
+                    job: result.job,
+                    run: result.run,
+                },
+            },
+            Message::Chunk(chunk) => {
+                let Some(bundle) = self.bundle.as_mut() else { return Ok(None) };
+                let received = match bundle.accept(chunk) {
+                    Ok(BundleProgress::Complete(bytes)) => Received::Bytes(bytes),
+                    Ok(BundleProgress::Kept(kept)) => Received::Kept(kept),
+                    Ok(_) => return Ok(None),
+                    Err(e) => return Ok(Some(Event::TransferFailed(e.to_string()))),
+                };
+                self.bundle = None;
+                self.received = Some(received);
+                Event::ModelReceived
+            }
+            Message::SecAgg(m) => {
+                if let Err(e) = self.secure_message(m) {
+                    tracing::error!(error = %e, "secure aggregation step failed");
+                }
+                return Ok(None);
+            }
+            Message::Hello(_) | Message::Update(_) | Message::Bye(_) | Message::Declined(_) => return Ok(None),
+        }))
+    }
+
+    /// Whether a plan or result is signed by the pinned key, if one is.
+    fn authenticate<M: fedpo_wire::Signed>(&self, message: &M) -> Result<(), String> {
+        match &self.cfg.trusted_key {
+            Some(key) => key.verify(message).map_err(|e| e.to_string()),
+            None => Ok(()),
+        }
+    }
+
+    /// What the state directory and the secure round say, for a message about `round`.
+    fn standing(&self, round: u64) -> Result<Standing, ParticipantError> {
+        let progress = self.state.progress()?;
+        Ok(Standing {
+            run: progress.run,
+            last_round: progress.last_round,
+            holds_secure_update: self.secure_round_trained(round),
+        })
+    }
+
+    /// Feeds `event` to the session and carries out its actions, and those of the events
+    /// they lead to; returns whether the job is finished.
+    fn apply(&mut self, event: Event) -> Result<bool, ParticipantError> {
+        let mut events = std::collections::VecDeque::from([event]);
+        while let Some(event) = events.pop_front() {
+            for action in self.session.handle(event, Instant::now()) {
+                match action {
+                    Action::SendHello => self.hello()?,
+                    Action::BindRun { run, restart_rounds } => {
+                        let mut progress = self.state.progress()?;
+                        progress.run = Some(run);
+                        if restart_rounds {
+                            progress.last_round = 0;
+                        }
+                        self.state.save_progress(&progress)?;
+                    }
+                    Action::Resend { round, global_digest } => match self.state.last_update() {
+                        Some(sent) if sent.update.round == round && sent.global_digest == global_digest => {
+                            tracing::info!(round, "resending this round's update");
+                            let topic = self.topics.up(&self.cfg.id);
+                            self.summary.bytes_up += publish_update(&self.link, &topic, &sent)?;
+                            events.push_back(Event::UpdateSent { round });
+                        }
+                        _ => tracing::warn!(round, "plan for a round already trained; ignoring"),
+                    },
+                    Action::FitMemory(plan) => self.fit_memory(&plan)?,
+                    Action::AdvertiseKeys(plan) => {
+                        if let Some(settings) = plan.secagg {
+                            self.secure_plan(&plan, settings)?;
+                        }
+                    }
+                    Action::Receive(plan) => match receive(&plan, &self.limits, self.incoming.as_deref()) {
+                        Ok(bundle) => self.bundle = Some(bundle),
+                        Err(why) => {
+                            self.bundle = None;
+                            events.push_back(Event::ReceiveFailed { round: plan.round, why });
+                        }
+                    },
+                    Action::Train(plan) => {
+                        let Some(received) = self.received.take() else { continue };
+                        self.summary.bytes_down += received.len();
+                        if let Err(e) = self.train_and_send(&plan, received) {
+                            events.push_back(Event::RoundFailed { round: plan.round, reason: e.to_string() });
+                        }
+                    }
+                    Action::Decline { round, reason } => self.decline(round, &reason)?,
+                    Action::Finish => return Ok(true),
+                }
+            }
+        }
+        Ok(false)
+    }
+
+    fn train_and_send(&mut self, plan: &RoundPlan, received: Received) -> Result<(), ParticipantError> {
         let span = tracing::info_span!("round", round = plan.round);
         let _enter = span.enter();
         let slots = self.cfg.training_slots.clone();

@@ -33,16 +33,16 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor};
-use fedpo_model::io::{read_safetensors, write_safetensors};
+use fedpo_model::tensor_files::{read_safetensors, write_safetensors};
 use fedpo_process::files::{rewrite_in_place_with, write_atomic};
 use fedpo_wire::{Residual, TransferChunk, Update};
 use serde::{Deserialize, Serialize};
 
 use crate::error::ParticipantError;
 
-/// Progress that survives a restart.
+/// JobProgress that survives a restart.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub(crate) struct Progress {
+pub(crate) struct JobProgress {
     /// Last round trained and uploaded (0: none).
     pub(crate) last_round: u64,
     /// Digest (hex) of the global model the reference log-probs were computed with. Only
@@ -162,7 +162,7 @@ impl StateDir {
         &self,
         reset_adapter: bool,
         references: &[(&str, String)],
-    ) -> Result<Progress, ParticipantError> {
+    ) -> Result<JobProgress, ParticipantError> {
         let mut progress = self.progress()?;
         let path = self.path("progress.json");
         if progress.last_round > fedpo_wire::MAX_ROUND {
@@ -241,16 +241,16 @@ impl StateDir {
         write_atomic(&described, &json).map_err(|e| io_err(&described, e))
     }
 
-    pub(crate) fn progress(&self) -> Result<Progress, ParticipantError> {
+    pub(crate) fn progress(&self) -> Result<JobProgress, ParticipantError> {
         let path = self.path("progress.json");
         match std::fs::read(&path) {
             Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| io_err(&path, e)),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Progress::default()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(JobProgress::default()),
             Err(e) => Err(io_err(&path, e)),
         }
     }
 
-    pub(crate) fn save_progress(&self, p: &Progress) -> Result<(), ParticipantError> {
+    pub(crate) fn save_progress(&self, p: &JobProgress) -> Result<(), ParticipantError> {
         let path = self.path("progress.json");
         let bytes = serde_json::to_vec_pretty(p).map_err(|e| io_err(&path, e))?;
         write_atomic(&path, &bytes).map_err(|e| io_err(&path, e))

@@ -9,10 +9,10 @@ use candle_core::{Device, Tensor};
 use serde_json::json;
 
 use crate::error::{ModelError, Result};
-use crate::io::{hash_tensors, read_safetensors, write_json, write_safetensors};
 use crate::lora::LoraConfig;
 use crate::params::ParamKind;
 use crate::policy::Policy;
+use crate::tensor_files::{hash_tensors, read_safetensors, write_json, write_safetensors};
 use crate::weights::TensorSource;
 
 /// Format tag written into adapter files.

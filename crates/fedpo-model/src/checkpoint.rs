@@ -18,9 +18,9 @@ use crate::error::{ModelError, Result};
 use fedpo_process::files::write_atomic;
 
 pub use crate::adapter_file::{base_hash, load_adapter, save_adapter, write_adapter, SavedAdapter, ADAPTER_FORMAT};
-use crate::io::{read_safetensors, write_safetensors};
 use crate::params::{ParamKind, ParamRole};
 use crate::policy::Policy;
+use crate::tensor_files::{read_safetensors, write_safetensors};
 use crate::weights::TensorSource;
 
 /// A loaded HF checkpoint directory.

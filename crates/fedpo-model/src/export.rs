@@ -15,9 +15,9 @@ use crate::adapter_file::base_hash;
 pub use crate::adapter_file::{load_peft_dir, write_peft_dir};
 use crate::error::{ModelError, Result};
 
-use crate::io::{write_json, write_safetensors};
 use crate::params::ParamKind;
 use crate::policy::Policy;
+use crate::tensor_files::{write_json, write_safetensors};
 use crate::tokenizer::Gpt2Tokenizer;
 
 /// GPT-2's `<|endoftext|>`, its begin and end of text.

@@ -18,9 +18,9 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Storage, Tensor};
 
 use crate::error::{ModelError, Result};
-use crate::exchange::SharedTensor;
 use crate::params::ParamRole;
 use crate::policy::Policy;
+use crate::privacy_boundary::SharedTensor;
 use crate::weights::TensorSource;
 
 /// Values per read or write: 256 KiB of f32, small beside any tensor worth spilling.

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Device, Tensor};
 use fedpo_model::checkpoint::{load_adapter, load_hf_dir};
 use fedpo_model::export::{write_dir_atomically, write_peft_dir, write_transformers_dir};
-use fedpo_model::io::read_safetensors;
+use fedpo_model::tensor_files::read_safetensors;
 use fedpo_model::{LoraConfig, Partition, PartitionPreset, Policy, PolicySpec};
 
 fn golden(name: &str) -> PathBuf {

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use candle_core::{DType, Device, Tensor};
 use fedpo_model::checkpoint::load_hf_dir;
-use fedpo_model::io::read_safetensors;
+use fedpo_model::tensor_files::read_safetensors;
 use fedpo_model::{LoraConfig, ModelError, Partition, PartitionPreset, Policy, PolicySpec, TensorSource};
 
 fn golden(name: &str) -> PathBuf {

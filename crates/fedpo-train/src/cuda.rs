@@ -1,5 +1,5 @@
 //! The optimizer's CUDA kernels (`kernels/optimizer.cu`, compiled to PTX by `build.rs`),
-//! launched from the in-place ops' `cuda_fwd` (`crate::inplace`). f32 and contiguous
+//! launched from the in-place ops' `cuda_fwd` (`crate::optimizer_ops`). f32 and contiguous
 //! only: [`crate::optim`] sends everything else to tensor ops.
 
 use candle_core::backend::BackendStorage;

@@ -142,7 +142,11 @@ mod tests {
     use super::*;
     use crate::loss::{preference_loss, PairLogps};
 
-    fn case() -> ([f64; 3], [f64; 3], [f64; 3], [f64; 3], [usize; 6]) {
+    /// For three pairs: the policy's log-probs of chosen and rejected, the reference's, and
+    /// the six response lengths.
+    type Case = ([f64; 3], [f64; 3], [f64; 3], [f64; 3], [usize; 6]);
+
+    fn case() -> Case {
         ([-3.0, -7.5, -20.25], [-4.0, -6.0, -20.0], [-3.5, -7.0, -21.0], [-3.8, -6.2, -19.0], [4, 9, 1, 3, 5, 2])
     }
 

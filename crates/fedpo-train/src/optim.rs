@@ -9,14 +9,14 @@ use std::path::Path;
 use std::str::FromStr;
 
 use candle_core::{Tensor, Var};
-use fedpo_model::io::{read_safetensors, write_safetensors};
+use fedpo_model::tensor_files::{read_safetensors, write_safetensors};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, TrainError};
-use crate::inplace::{
+use crate::loss_on_device::global_norm_on_device;
+use crate::optimizer_ops::{
     cpu_sum_of_squares, AdamApply, ClippedMomentUpdate, ClippedSgdStep, MomentUpdate, SgdStep, SgdStepSummingSquares,
 };
-use crate::loss_on_device::global_norm_on_device;
 
 /// The update rule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -15,13 +15,13 @@ use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use serde::{Deserialize, Serialize};
 
+use crate::algorithms::{add_scaled, LocalTerms};
 use crate::error::{Result, TrainError};
 use crate::logps::{sequence_logps, sequence_logps_values, BatchTensors};
 use crate::loss::{check_loss_settings, preference_loss, LossKind, PairLogps};
 use crate::loss_on_device::{preference_loss_on_device, read_values, StepTotals};
 use crate::optim::{OptimConfig, Optimizer};
 use crate::reference::SequenceLogps;
-use crate::terms::{add_scaled, LocalTerms};
 
 /// Tokenized pairs with their reference log-probs.
 #[derive(Debug, Clone)]
@@ -268,7 +268,7 @@ impl LocalTrainer {
                     let acc = match grads.remove(*name) {
                         // The first micro-batch's gradient becomes the accumulator: its
                         // store is dropped before the next micro-batch adds into it.
-                        Some(prev) => crate::inplace::accumulate(prev, g)?,
+                        Some(prev) => crate::optimizer_ops::accumulate(prev, g)?,
                         None => g.clone(),
                     };
                     grads.insert(name.to_string(), acc);

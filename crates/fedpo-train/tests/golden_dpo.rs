@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use candle_core::{DType, Device, Tensor};
 use fedpo_data::TokenizedPair;
 use fedpo_model::checkpoint::load_hf_dir;
-use fedpo_model::io::read_safetensors;
+use fedpo_model::tensor_files::read_safetensors;
 use fedpo_model::{LoraConfig, Partition, PartitionPreset, Policy, PolicySpec};
 use fedpo_train::{evaluate, score_pairs, DpoSettings, LocalTrainer, LossKind, OptimConfig, OptimKind, PreferenceSet};
 

@@ -12,7 +12,7 @@ use std::path::Path;
 use bytes::Bytes;
 
 use crate::bundle_bytes::BundleBytes;
-use crate::chunk::{Progress, Reassembler};
+use crate::chunk::{Reassembler, ReassemblyProgress};
 use crate::error::Result;
 use crate::kept::{KeptBundle, KeptTransfer};
 use crate::limits::Limits;
@@ -107,10 +107,10 @@ impl Bundle {
             return Ok(BundleProgress::Foreign);
         };
         let done = match progress {
-            Progress::Duplicate => return Ok(BundleProgress::Duplicate),
-            Progress::Accepted { .. } => return Ok(BundleProgress::Accepted),
-            Progress::Complete(bytes) => Done::Bytes(bytes.into()),
-            Progress::Kept(kept) => Done::Kept(kept),
+            ReassemblyProgress::Duplicate => return Ok(BundleProgress::Duplicate),
+            ReassemblyProgress::Accepted { .. } => return Ok(BundleProgress::Accepted),
+            ReassemblyProgress::Complete(bytes) => Done::Bytes(bytes.into()),
+            ReassemblyProgress::Kept(kept) => Done::Kept(kept),
         };
         match section {
             Some(name) => {
@@ -153,7 +153,7 @@ impl Bundle {
 mod tests {
     use super::*;
     use crate::chunk::split_payload;
-    use crate::tensor::{TensorPayload, ToWire, WireDType};
+    use crate::wire_tensor::{TensorPayload, ToWire, WireDType};
 
     struct T(&'static str, Vec<f32>);
     impl ToWire for T {

@@ -8,14 +8,14 @@
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use crate::chunk_store::ChunkStore;
+use crate::chunked_encoder::EncodedPayload;
 use crate::digest::{digest, Hasher};
-use crate::encoded::EncodedPayload;
 use crate::error::{Result, WireError};
 use crate::kept::KeptTransfer;
 use crate::limits::Limits;
 use crate::message::{Manifest, TransferChunk};
-use crate::parts::Parts;
-use crate::tensor::TensorPayload;
+use crate::wire_tensor::TensorPayload;
 
 /// The manifest and chunks of a payload.
 pub fn split_payload(transfer: &str, payload: &TensorPayload, chunk_bytes: usize) -> (Manifest, Vec<TransferChunk>) {
@@ -24,7 +24,7 @@ pub fn split_payload(transfer: &str, payload: &TensorPayload, chunk_bytes: usize
 
 /// What accepting a chunk did.
 #[derive(Debug, PartialEq)]
-pub enum Progress {
+pub enum ReassemblyProgress {
     /// Stored; `received` of the manifest's chunks are in.
     Accepted {
         /// Distinct chunks received so far.
@@ -42,7 +42,7 @@ pub enum Progress {
 /// Collects the chunks of one transfer.
 pub struct Reassembler {
     manifest: Manifest,
-    parts: Parts,
+    parts: ChunkStore,
     received: u32,
     bytes_so_far: u64,
     done: bool,
@@ -58,7 +58,7 @@ impl Reassembler {
     /// Starts a transfer after checking its manifest against the limits.
     pub fn new(manifest: Manifest, limits: &Limits) -> Result<Self> {
         manifest.validate(limits)?;
-        let parts = Parts::memory(&manifest.transfer, manifest.chunks as usize, manifest.bytes)?;
+        let parts = ChunkStore::memory(&manifest.transfer, manifest.chunks as usize, manifest.bytes)?;
         Ok(Self::with_parts(manifest, parts))
     }
 
@@ -71,19 +71,19 @@ impl Reassembler {
         static SPOOLED: AtomicU64 = AtomicU64::new(0);
         let n = SPOOLED.fetch_add(1, Ordering::Relaxed);
         let name = format!("{}-{n}.part", hex::encode(&digest(manifest.transfer.as_bytes())[..12]));
-        let parts = Parts::spool(dir.join(name), manifest.chunks as usize)?;
+        let parts = ChunkStore::spool(dir.join(name), manifest.chunks as usize)?;
         Ok(Self::with_parts(manifest, parts))
     }
 
     /// Like [`Reassembler::spooled`], and the complete transfer stays in its file: the last
-    /// chunk yields [`Progress::Kept`], verified, and the bytes are read when wanted. A
+    /// chunk yields [`ReassemblyProgress::Kept`], verified, and the bytes are read when wanted. A
     /// device that must wait its turn to train holds the model it downloaded on disk, not
     /// in memory.
     pub fn kept(manifest: Manifest, limits: &Limits, dir: &Path) -> Result<Self> {
         Ok(Self { keep: true, ..Self::spooled(manifest, limits, dir)? })
     }
 
-    fn with_parts(manifest: Manifest, parts: Parts) -> Self {
+    fn with_parts(manifest: Manifest, parts: ChunkStore) -> Self {
         Self {
             manifest,
             parts,
@@ -102,11 +102,11 @@ impl Reassembler {
 
     /// Whether the chunks wait in memory rather than in a spool file.
     pub fn in_memory(&self) -> bool {
-        matches!(self.parts, Parts::Memory(_))
+        matches!(self.parts, ChunkStore::Memory(_))
     }
 
     /// Accepts one chunk.
-    pub fn accept(&mut self, chunk: TransferChunk) -> Result<Progress> {
+    pub fn accept(&mut self, chunk: TransferChunk) -> Result<ReassemblyProgress> {
         if chunk.transfer != self.manifest.transfer {
             return Err(WireError::WrongTransfer { expected: self.manifest.transfer.clone(), found: chunk.transfer });
         }
@@ -118,7 +118,7 @@ impl Reassembler {
             });
         }
         if self.done || self.parts.has(chunk.index as usize) {
-            return Ok(Progress::Duplicate);
+            return Ok(ReassemblyProgress::Duplicate);
         }
         let new_total = self.bytes_so_far + chunk.bytes.len() as u64;
         if new_total > self.manifest.bytes {
@@ -135,7 +135,7 @@ impl Reassembler {
         self.bytes_so_far = new_total;
         self.received += 1;
         if self.received < self.manifest.chunks {
-            return Ok(Progress::Accepted { received: self.received });
+            return Ok(ReassemblyProgress::Accepted { received: self.received });
         }
         if self.keep {
             let found = match self.in_order.take() {
@@ -144,7 +144,7 @@ impl Reassembler {
             };
             self.check(found)?;
             let file = self.parts.take_spool().expect("a kept transfer is spooled");
-            return Ok(Progress::Kept(KeptTransfer::new(&self.manifest, file)));
+            return Ok(ReassemblyProgress::Kept(KeptTransfer::new(&self.manifest, file)));
         }
         let bytes = self.parts.take_all(self.manifest.bytes as usize)?;
         let found = match self.in_order.take() {
@@ -152,7 +152,7 @@ impl Reassembler {
             None => digest(&bytes),
         };
         self.check(found)?;
-        Ok(Progress::Complete(bytes))
+        Ok(ReassemblyProgress::Complete(bytes))
     }
 
     /// Checks a complete transfer's digest against the manifest's. On a mismatch the

@@ -12,9 +12,9 @@ use std::path::Path;
 use bytes::Bytes;
 
 use crate::bundle_bytes::BundleBytes;
+use crate::chunk_store::SpoolFile;
 use crate::error::{Result, WireError};
 use crate::message::Manifest;
-use crate::parts::SpoolFile;
 
 /// A verified transfer in its spool file; the file is removed when this is dropped.
 pub struct KeptTransfer {

@@ -10,29 +10,28 @@
 mod bundle;
 mod bundle_bytes;
 mod chunk;
-mod codec;
-mod decode;
+mod chunk_store;
+mod chunked_encoder;
 pub mod device_tag;
 mod digest;
-mod encoded;
 mod error;
+mod in_place_decode;
 mod kept;
 pub mod keys;
 mod limits;
 mod message;
 mod packed;
-mod parts;
-mod secure;
+mod secagg_messages;
 pub mod signing;
-mod tensor;
+mod update_codec;
+mod wire_tensor;
 
 pub use bundle::{Bundle, BundleProgress};
 pub use bundle_bytes::BundleBytes;
 pub use bytes::Bytes;
-pub use chunk::{split_payload, Progress, Reassembler};
-pub use codec::{Residual, UpdateCodec};
+pub use chunk::{split_payload, Reassembler, ReassemblyProgress};
+pub use chunked_encoder::EncodedPayload;
 pub use digest::{digest, DIGEST_BYTES};
-pub use encoded::EncodedPayload;
 pub use error::{Result, WireError};
 pub use kept::{KeptBundle, KeptTransfer};
 pub use limits::{Limits, DEFAULT_CHUNK_BYTES, MAX_ROUND};
@@ -41,6 +40,7 @@ pub use message::{
     TensorInfo, TransferChunk, Update, UpdateMetrics, MAX_SECTIONS, PROTOCOL_VERSION,
 };
 pub use packed::INT8_BLOCK;
-pub use secure::{SecAggMessage, SecAggPlan};
+pub use secagg_messages::{SecAggMessage, SecAggPlan};
 pub use signing::{SignatureError, Signed, Signer, TrustedKey};
-pub use tensor::{byte_bounds, TensorPayload, ToWire, WireDType, WireTensor, MASKED_TENSOR};
+pub use update_codec::{Residual, UpdateCodec};
+pub use wire_tensor::{byte_bounds, TensorPayload, ToWire, WireDType, WireTensor, MASKED_TENSOR};

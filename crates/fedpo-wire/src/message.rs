@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use crate::digest::DIGEST_BYTES;
 use crate::error::{Result, WireError};
 use crate::limits::{check_name, Limits};
-use crate::tensor::{byte_bounds, WireDType};
+use crate::wire_tensor::{byte_bounds, WireDType};
 
 /// The protocol version this build speaks. Version 2 names transfers by their BLAKE3
 /// digest where version 1 used SHA-256; the two refuse each other by name.
@@ -193,10 +193,10 @@ pub struct RoundPlan {
     pub signature: Vec<u8>,
     /// Secure aggregation for this round: devices upload masked fixed-point inputs.
     #[serde(default)]
-    pub secagg: Option<crate::secure::SecAggPlan>,
+    pub secagg: Option<crate::secagg_messages::SecAggPlan>,
     /// How devices encode their update this round (absent from older plans: f32).
     #[serde(default)]
-    pub update_codec: crate::codec::UpdateCodec,
+    pub update_codec: crate::update_codec::UpdateCodec,
     /// Changes whenever the aggregator restarts or reconnects to the broker, when what was
     /// in flight to it may be lost. A device that already sent this round's update sends
     /// it again only if this, or its own connection, changed since: a plan resent for
@@ -308,7 +308,7 @@ pub enum Message {
     /// Device leaving.
     Bye(DeviceBye),
     /// A secure-aggregation step.
-    SecAgg(crate::secure::SecAggMessage),
+    SecAgg(crate::secagg_messages::SecAggMessage),
     /// A selected device sitting a round out.
     Declined(RoundDeclined),
 }

@@ -168,7 +168,7 @@ mod tests {
     use super::*;
     use crate::message::Hyperparameters;
     use crate::split_payload;
-    use crate::tensor::TensorPayload;
+    use crate::wire_tensor::TensorPayload;
 
     /// A throwaway key made with `openssl genpkey -algorithm ed25519`, and its public key
     /// as openssl prints it (`openssl pkey -pubout -outform DER | tail -c 32`).

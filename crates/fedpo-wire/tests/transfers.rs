@@ -46,10 +46,10 @@ fn chunks_in_reverse_order_with_duplicates_reassemble_the_exact_payload() {
             other => panic!("{other:?}"),
         };
         match r.accept(decoded).unwrap() {
-            Progress::Complete(bytes) => done = Some(bytes),
-            Progress::Duplicate => assert!(done.is_some(), "a duplicate before completion"),
-            Progress::Accepted { .. } => {}
-            Progress::Kept(k) => panic!("kept without asking: {k:?}"),
+            ReassemblyProgress::Complete(bytes) => done = Some(bytes),
+            ReassemblyProgress::Duplicate => assert!(done.is_some(), "a duplicate before completion"),
+            ReassemblyProgress::Accepted { .. } => {}
+            ReassemblyProgress::Kept(k) => panic!("kept without asking: {k:?}"),
         }
     }
     let bytes = done.expect("complete");
@@ -64,7 +64,7 @@ fn corrupted_chunk_fails_the_hash_and_a_clean_resend_succeeds() {
     let mut r = Reassembler::new(manifest, &Limits::default()).unwrap();
     let mut bad = chunks.clone();
     flip(&mut bad[1], 10, 0xFF);
-    let mut result = Ok(Progress::Duplicate);
+    let mut result = Ok(ReassemblyProgress::Duplicate);
     for c in bad {
         result = r.accept(c);
     }
@@ -72,7 +72,7 @@ fn corrupted_chunk_fails_the_hash_and_a_clean_resend_succeeds() {
     assert!(matches!(err, WireError::HashMismatch { .. }), "{err}");
     assert!(err.to_string().contains("r2/dev-1"));
     let last = chunks.into_iter().map(|c| r.accept(c).unwrap()).last().unwrap();
-    assert!(matches!(last, Progress::Complete(_)));
+    assert!(matches!(last, ReassemblyProgress::Complete(_)));
 }
 
 #[test]
@@ -126,10 +126,10 @@ fn a_spooled_transfer_reassembles_out_of_order_survives_a_corrupt_chunk_and_remo
     let mut done = None;
     for c in chunks.iter().rev().chain(&chunks[..1]) {
         match r.accept(c.clone()).unwrap() {
-            Progress::Complete(bytes) => done = Some(bytes),
-            Progress::Duplicate => assert!(done.is_some(), "a duplicate before completion"),
-            Progress::Accepted { .. } => {}
-            Progress::Kept(k) => panic!("kept without asking: {k:?}"),
+            ReassemblyProgress::Complete(bytes) => done = Some(bytes),
+            ReassemblyProgress::Duplicate => assert!(done.is_some(), "a duplicate before completion"),
+            ReassemblyProgress::Accepted { .. } => {}
+            ReassemblyProgress::Kept(k) => panic!("kept without asking: {k:?}"),
         }
     }
     let bytes = done.expect("complete after the clean resend");
@@ -152,7 +152,7 @@ fn a_transfer_that_falls_out_of_order_midway_is_still_verified_whole() {
         }
         last.unwrap()
     };
-    let Ok(Progress::Complete(bytes)) = feed(&chunks) else { panic!("not complete") };
+    let Ok(ReassemblyProgress::Complete(bytes)) = feed(&chunks) else { panic!("not complete") };
     assert_eq!(TensorPayload::from_bytes(&bytes, &Limits::default(), true).unwrap(), p);
     for corrupt in [1, 3] {
         // one hashed in order, one that arrived after the order broke
@@ -195,7 +195,7 @@ fn a_kept_transfer_is_verified_whole_stays_on_disk_until_read_and_is_checked_aga
             (r, last.unwrap())
         };
         let (r, last) = feed(&chunks);
-        let Ok(Progress::Kept(kept)) = last else { panic!("{order:?}: not kept: {last:?}") };
+        let Ok(ReassemblyProgress::Kept(kept)) = last else { panic!("{order:?}: not kept: {last:?}") };
         assert_eq!(kept.len(), manifest.bytes);
         drop(r);
         assert_eq!(files(), 1, "{order:?}: the kept file outlives its reassembler");
@@ -213,7 +213,7 @@ fn a_kept_transfer_is_verified_whole_stays_on_disk_until_read_and_is_checked_aga
     // A file changed on disk while it waited is caught when read.
     let mut r = Reassembler::kept(manifest.clone(), &Limits::default(), dir.path()).unwrap();
     let kept = chunks.iter().find_map(|c| match r.accept(c.clone()).unwrap() {
-        Progress::Kept(k) => Some(k),
+        ReassemblyProgress::Kept(k) => Some(k),
         _ => None,
     });
     let kept = kept.expect("kept");

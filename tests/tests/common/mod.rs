@@ -17,7 +17,7 @@ use candle_core::Device;
 use fedpo_data::PreferencePair;
 use fedpo_device::participant::{self, ParticipantConfig};
 use fedpo_transport::{BrokerUrl, Delivery, LinkEvent, LinkOptions, MqttLink};
-use fedpo_wire::{Limits, Manifest, Message, Progress, Reassembler, RoundPlan, TensorPayload, Update};
+use fedpo_wire::{Limits, Manifest, Message, Reassembler, ReassemblyProgress, RoundPlan, TensorPayload, Update};
 
 /// Records every message published under a topic filter.
 pub struct Wiretap {
@@ -95,7 +95,7 @@ pub fn decode_rounds(heard: &[Delivery]) -> BTreeMap<u64, RoundOnWire> {
             Message::Chunk(c) => {
                 let Some((round, update, r)) = transfers.get_mut(&c.transfer) else { continue };
                 // A transfer corrupted on purpose never completes.
-                if let Ok(Progress::Complete(bytes)) = r.accept(c) {
+                if let Ok(ReassemblyProgress::Complete(bytes)) = r.accept(c) {
                     let payload = TensorPayload::from_bytes(&bytes, &limits, false).unwrap();
                     let entry = rounds.entry(*round).or_default();
                     match update {

@@ -220,7 +220,7 @@ fn step_matmul_shapes(cfg: &Gpt2Config, rows: usize, head_rows: usize, base_trai
 pub(crate) fn run(args: BenchArgs) -> Result<()> {
     anyhow::ensure!(args.pairs > 0 && args.steps > 0, "--pairs and --steps must be at least 1");
     anyhow::ensure!(args.prompt_len > 0 && args.resp_len > 0, "--prompt-len and --resp-len must be at least 1");
-    let device = crate::cli::setup::parse_device(&args.device)?;
+    let device = crate::cli::assemble::parse_device(&args.device)?;
     let config = if args.tiny { Gpt2Config::tiny() } else { Gpt2Config::distilgpt2() };
     anyhow::ensure!(
         args.prompt_len + args.resp_len <= config.n_positions,

@@ -22,7 +22,7 @@ use serde_json::json;
 
 use fedpo_process::usage::peak_rss_mib;
 
-use crate::cli::setup::parse_device;
+use crate::cli::assemble::parse_device;
 
 #[derive(Debug, Args)]
 pub(crate) struct BenchGenerateArgs {

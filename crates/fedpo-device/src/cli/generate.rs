@@ -20,7 +20,7 @@ use fedpo_model::{
 };
 use fedpo_wire::{Limits, TensorPayload};
 
-use crate::cli::setup::{parse_device, ModelArgs};
+use crate::cli::assemble::{parse_device, ModelArgs};
 
 #[derive(Debug, Args)]
 pub(crate) struct GenerateArgs {

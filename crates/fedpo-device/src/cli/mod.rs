@@ -3,6 +3,7 @@
 //! does beyond its command line lives in the library (`fedpo_device`), which the
 //! aggregator's simulation embeds as well.
 
+pub(crate) mod assemble;
 pub(crate) mod bench;
 pub(crate) mod bench_generate;
 pub(crate) mod config_file;
@@ -10,5 +11,4 @@ pub(crate) mod export;
 pub(crate) mod generate;
 pub(crate) mod run;
 pub(crate) mod score;
-pub(crate) mod setup;
 pub(crate) mod train_local;

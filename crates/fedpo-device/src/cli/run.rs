@@ -14,7 +14,7 @@ use fedpo_model::{TrimmedVocab, GPT2_VOCAB_SIZE};
 use fedpo_transport::{BrokerUrl, TlsFiles};
 use fedpo_wire::TrustedKey;
 
-use crate::cli::setup::parse_device;
+use crate::cli::assemble::parse_device;
 
 #[derive(Debug, Args)]
 pub(crate) struct RunArgs {
@@ -79,7 +79,7 @@ pub(crate) struct RunArgs {
     device: String,
     /// Dtype of matmuls and activations: f32, or bf16/f16 for mixed precision (the
     /// uploaded delta and the private adapter stay f32).
-    #[arg(long, default_value = "f32", value_parser = crate::cli::setup::parse_compute_dtype)]
+    #[arg(long, default_value = "f32", value_parser = crate::cli::assemble::parse_compute_dtype)]
     compute_dtype: candle_core::DType,
     /// The aggregator's Ed25519 public key (64 hex digits, or a file holding them, e.g.
     /// security/make-certs.sh's signing.pub): plans and results that do not verify are refused.

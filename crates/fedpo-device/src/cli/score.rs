@@ -15,7 +15,7 @@ use fedpo_process::files::write_atomic;
 use fedpo_train::score_pairs;
 use serde_json::json;
 
-use crate::cli::setup::{parse_device, tokenize, ModelArgs};
+use crate::cli::assemble::{parse_device, tokenize, ModelArgs};
 
 #[derive(Debug, Args)]
 pub(crate) struct ScoreArgs {

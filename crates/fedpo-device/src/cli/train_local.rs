@@ -11,7 +11,7 @@ use fedpo_data::fingerprint;
 use fedpo_device::memory::{self, longest, PlanRequest, StepKernels};
 use fedpo_model::checkpoint::save_adapter;
 use fedpo_model::export::{write_dir_atomically, write_peft_dir, write_transformers_dir};
-use fedpo_model::io::hash_tensors;
+use fedpo_model::tensor_files::hash_tensors;
 use fedpo_model::{ParamKind, ParamRole, Partition, Policy};
 use fedpo_process::files::write_atomic;
 use fedpo_process::usage::peak_rss_mib;
@@ -22,7 +22,7 @@ use fedpo_train::{
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 
-use crate::cli::setup::{parse_device, tokenize, DataArgs, LoadedData, ModelArgs};
+use crate::cli::assemble::{parse_device, tokenize, DataArgs, LoadedData, ModelArgs};
 
 /// Loss and optimizer flags shared by every training command.
 #[derive(Debug, Args, Clone)]

@@ -7,13 +7,9 @@
 //! run; `--rejoin` lets an operator move it to a new run of the job (the aggregator
 //! started afresh), which restarts its round count. Within a run, rounds only rise.
 
-use fedpo_wire::{RoundPlan, RoundResult};
-
-use super::{Participant, ParticipantError};
-
 /// What to do with a plan or a result, given the run the device follows.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) enum Admission {
+pub(crate) enum Admission {
     /// The run the device follows.
     Follow,
     /// A run to bind to: the device followed none yet, or is told to rejoin.
@@ -24,7 +20,7 @@ pub(super) enum Admission {
 
 /// Judges a message naming `(job, run)` for a device of `own_job` bound to `bound`;
 /// `may_join` lets a plan move a bound device to another run.
-pub(super) fn admit(own_job: &str, bound: Option<u64>, may_join: bool, job: &str, run: u64) -> Admission {
+pub(crate) fn admit(own_job: &str, bound: Option<u64>, may_join: bool, job: &str, run: u64) -> Admission {
     if job != own_job {
         return Admission::Refuse(format!("it is for job `{job}`, not `{own_job}`"));
     }
@@ -36,69 +32,6 @@ pub(super) fn admit(own_job: &str, bound: Option<u64>, may_join: bool, job: &str
              (after the aggregator started the job afresh, restart the device with --rejoin)"
         )),
         None => Admission::Join,
-    }
-}
-
-impl Participant {
-    /// Whether to act on `plan`: signed by the pinned key, for this job and the run this
-    /// state directory follows. Binds the directory to the plan's run when it follows none
-    /// yet, or when `--rejoin` was given and the run is new.
-    pub(super) fn admit_plan(&mut self, plan: &RoundPlan) -> Result<bool, ParticipantError> {
-        if let Some(key) = &self.cfg.trusted_key {
-            if let Err(e) = key.verify(plan) {
-                self.refused.warn("aggregator", "plan", &format!("refusing a plan that is not the aggregator's: {e}"));
-                return Ok(false);
-            }
-        }
-        let mut progress = self.state.progress()?;
-        match admit(&self.cfg.job, progress.run, self.rejoin, &plan.job, plan.run) {
-            Admission::Follow => Ok(true),
-            Admission::Join => {
-                if let Some(old) = progress.run {
-                    tracing::warn!(
-                        old_run = %format!("{old:016x}"),
-                        run = %format!("{:016x}", plan.run),
-                        last_round = progress.last_round,
-                        "rejoining the job in a new run; its rounds count from 1 again"
-                    );
-                    progress.last_round = 0;
-                } else {
-                    tracing::info!(run = %format!("{:016x}", plan.run), "following the job's run");
-                }
-                progress.run = Some(plan.run);
-                self.state.save_progress(&progress)?;
-                self.rejoin = false;
-                Ok(true)
-            }
-            Admission::Refuse(why) => {
-                self.refused.warn("aggregator", "plan", &format!("refusing round {}'s plan: {why}", plan.round));
-                Ok(false)
-            }
-        }
-    }
-
-    /// Whether to act on `result`: signed by the pinned key (so that no one else can end
-    /// the device), and for this job and run.
-    pub(super) fn admit_result(&mut self, result: &RoundResult) -> Result<bool, ParticipantError> {
-        if let Some(key) = &self.cfg.trusted_key {
-            if let Err(e) = key.verify(result) {
-                self.refused.warn(
-                    "aggregator",
-                    "result",
-                    &format!("refusing a result that is not the aggregator's: {e}"),
-                );
-                return Ok(false);
-            }
-        }
-        let progress = self.state.progress()?;
-        match admit(&self.cfg.job, progress.run, false, &result.job, result.run) {
-            Admission::Refuse(why) => {
-                self.refused.warn("aggregator", "result", &format!("refusing round {}'s result: {why}", result.round));
-                Ok(false)
-            }
-            // A result never binds: it carries no model to follow.
-            Admission::Follow | Admission::Join => Ok(true),
-        }
     }
 }
 

@@ -7,7 +7,7 @@ use fedpo_transport::MqttLink;
 use fedpo_wire::{split_payload, EncodedPayload, Message, Residual, TensorPayload, Update, DEFAULT_CHUNK_BYTES};
 
 use super::{Participant, ParticipantError};
-use crate::state_dir::{Progress, SentUpdate};
+use crate::state_dir::{JobProgress, SentUpdate};
 
 impl Participant {
     /// The chunks of an update payload, after the configuration's rewrite, if any.
@@ -36,7 +36,7 @@ impl Participant {
         encoded: EncodedPayload,
         sections: Vec<(String, TensorPayload)>,
         metrics: fedpo_wire::UpdateMetrics,
-        mut progress: Progress,
+        mut progress: JobProgress,
         residual: Option<Residual>,
     ) -> Result<(), ParticipantError> {
         let sending = Instant::now();
@@ -85,7 +85,7 @@ impl Participant {
             })?
         };
         self.summary.bytes_up += sent_bytes;
-        self.sent_under = Some((round, self.plan_epoch, self.connection));
+        self.session.handle(super::session::Event::UpdateSent { round }, Instant::now());
         recorded?;
         self.summary.rounds.push(round);
         tracing::info!(round, seconds = format_args!("{:.3}", sending.elapsed().as_secs_f64()), "update sent");

@@ -20,10 +20,10 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Shape, Tensor, WithDType};
 use rayon::prelude::*;
 
-use super::dense::gemm_into;
 use super::fast_math::FastExp;
 use super::fork::Forks;
 use super::query_blocks::{query_blocks, QueryBlock, MAX_ROWS};
+use super::strided_gemm::gemm_into;
 use super::{contiguous_slice, full_precision, CResult};
 
 /// A raw pointer the per-head tasks share. Each task reads the whole input but writes only

@@ -28,7 +28,7 @@ use super::fork::Forks;
 use super::projection::{
     add_into, projection_backward, projection_forward, AdapterActs, ParamGrads, ProjectionView, Wants,
 };
-use super::{fresh, gelu, layer_norm, CResult};
+use super::{gelu, layer_norm, parallel_fill, CResult};
 
 /// A low-rank adapter `scale * x A^T B^T`, `a: [r, in]`, `b: [out, r]`.
 #[derive(Debug, Clone)]
@@ -355,7 +355,7 @@ impl FusedBlock {
         drop(dgelu);
         let dh2 = projection_backward(c_fc, &acts.adapters[2], &acts.h2, &dpre, rows, wants[2], grads)?;
         drop(dpre);
-        let mut dx1 = fresh::par_copy(dy);
+        let mut dx1 = parallel_fill::par_copy(dy);
         let (dw2, db2) = layer_norm_backward(&mut dx1, &acts.x1, view.ln_2, &dh2, w.eps);
         if ln_wants[1] {
             grads.add(2, dw2)?;

@@ -8,8 +8,8 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::fast_math::exp_f32;
-use super::fresh::par_filled;
 use super::multiversion::multiversion;
+use super::parallel_fill::par_filled;
 use super::{contiguous_slice, full_precision, CResult};
 
 const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;

@@ -23,7 +23,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::dense::MatmulNn;
+use super::strided_gemm::MatmulNn;
 use super::tied_head::{add_head_weight_gradient, head_logits_cpu, Slot};
 use super::token_logprobs::{check_targets, RowMath};
 use super::{contiguous_slice, CResult};

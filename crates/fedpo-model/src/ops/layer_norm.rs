@@ -10,8 +10,8 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor, WithDType};
 use rayon::prelude::*;
 
-use super::fresh::{par_filled, par_zeroed};
 use super::multiversion::multiversion;
+use super::parallel_fill::{par_filled, par_zeroed};
 use super::{contiguous_slice, full_precision, CResult};
 
 /// Rows per parallel task in backward; each task sums its own weight and bias gradients.

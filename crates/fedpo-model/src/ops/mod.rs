@@ -46,10 +46,8 @@ mod attention;
 mod block;
 #[cfg(feature = "cuda")]
 mod cuda;
-mod dense;
 mod fast_math;
 mod fork;
-mod fresh;
 mod gelu;
 mod head_logprobs;
 mod layer_norm;
@@ -58,10 +56,12 @@ mod masks;
 mod matmul_frozen;
 mod matvec;
 pub mod multiversion;
+mod parallel_fill;
 mod projection;
 mod query_blocks;
 mod row_exps;
 mod softmax;
+mod strided_gemm;
 mod tied_embedding;
 mod tied_head;
 mod token_logprobs;
@@ -72,7 +72,6 @@ pub use attention::{
     causal_self_attention, causal_self_attention_composed, forked_self_attention, forked_self_attention_composed,
 };
 pub use block::{fused_block, Adapter, BlockGradients, BlockWeights, Projection};
-pub use dense::matmul;
 pub use fork::{Fork, Forks};
 pub use gelu::gelu_new;
 pub use layer_norm::layer_norm;
@@ -80,6 +79,7 @@ pub use linear::linear_bias;
 pub use matmul_frozen::matmul_frozen_rhs;
 pub use matvec::{rows_times_table, rows_times_weight, MATVEC_MAX_ROWS};
 pub use softmax::{causal_softmax, softmax_last_dim};
+pub use strided_gemm::matmul;
 pub use tied_embedding::TiedGradient;
 pub use token_logprobs::token_logprobs;
 

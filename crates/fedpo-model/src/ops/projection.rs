@@ -5,9 +5,9 @@
 use candle_core::WithDType;
 use rayon::prelude::*;
 
-use super::dense::{mm_accumulate, mm_new, Strided};
-use super::fresh::par_filled;
 use super::linear::{add_bias_to_each_row, column_sums_cpu, row_chunk};
+use super::parallel_fill::par_filled;
+use super::strided_gemm::{mm_accumulate, mm_new, Strided};
 use super::CResult;
 
 /// Parameter gradients by index into the block's flat tensor list.

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, InplaceOp3, Layout, Tensor, WithDType};
 
-use super::dense::{matmul_nt, AddMatmulTn, MatmulTn};
+use super::strided_gemm::{matmul_nt, AddMatmulTn, MatmulTn};
 use super::{contiguous_slice, CResult};
 
 /// The tied embedding's gradient buffer: empty until a backward pass adds into it.

@@ -10,10 +10,11 @@ use anyhow::{bail, Result};
 use clap::Args;
 use fedpo_wire::TensorPayload;
 
-use crate::accumulator::WeightedSum;
+use crate::algorithms::dp::GaussianNoise;
+use crate::algorithms::robust::AggregationRule;
+use crate::combined_update::CombinedUpdate;
 use crate::global_model::GlobalModel;
-use crate::privacy::GaussianNoise;
-use crate::robust::AggregationRule;
+use crate::weighted_sum::WeightedSum;
 
 /// Robust aggregation, clipping and client-level differential privacy.
 #[derive(Debug, Args, Clone, Default)]
@@ -160,17 +161,17 @@ impl RoundUpdates {
 
     /// The round's single update: the rule's combination, with DP noise when configured.
     /// Fails when too few updates arrived for the rule to tolerate --byzantine.
-    pub(crate) fn finish(self, model: &GlobalModel) -> Result<WeightedSum> {
+    pub(crate) fn finish(self, model: &GlobalModel) -> Result<CombinedUpdate> {
         if !self.rule.holds_updates() {
             let mut sum = self.sum;
             if let Some(std) = self.noise_std {
                 let mut noise = GaussianNoise::new(std)?;
                 sum.perturb(|| noise.sample());
             }
-            return Ok(sum);
+            return Ok(sum.into());
         }
         let combined = self.rule.combine(&self.held, &self.held_weights, self.byzantine)?;
-        Ok(WeightedSum::from_mean(model, &combined, self.held.len()))
+        Ok(CombinedUpdate::values(model, &combined, self.held.len()))
     }
 }
 
@@ -200,7 +201,7 @@ mod tests {
         TensorPayload::encode(&[t("b", vec![b]), t("a", a.to_vec())], WireDType::F32)
     }
 
-    fn mean_of(sum: &WeightedSum) -> Vec<f64> {
+    fn mean_of(sum: &CombinedUpdate) -> Vec<f64> {
         ["a", "b"].iter().flat_map(|n| sum.mean(n).unwrap().collect::<Vec<_>>()).collect()
     }
 

@@ -12,7 +12,7 @@ use serde::Deserialize;
 
 use crate::error::{Result, WireError};
 use crate::limits::Limits;
-use crate::tensor::{TensorPayload, WireDType, WireTensor};
+use crate::wire_tensor::{TensorPayload, WireDType, WireTensor};
 
 /// [`TensorPayload`]'s fields with the tensor bytes borrowed from the input.
 #[derive(Deserialize)]

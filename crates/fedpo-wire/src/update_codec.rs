@@ -21,7 +21,7 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
-use crate::tensor::{TensorPayload, ToWire, WireDType, WireTensor};
+use crate::wire_tensor::{TensorPayload, ToWire, WireDType, WireTensor};
 
 /// How devices encode their update; chosen by the aggregator, carried in the round plan.
 #[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]

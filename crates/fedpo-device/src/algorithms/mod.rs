@@ -1,20 +1,25 @@
-//! Turns a round plan's algorithm settings into the local objective's terms.
+//! The device's half of each federated algorithm: turning a round plan's settings into
+//! the local objective's terms, and what the terms send back.
 //!
 //! The plan names the terms in its `strategy` map (see `fedpo_wire::keys`) and carries
 //! their tensors as sections: SCAFFOLD's server variate, FedGA's reference direction.
-//! The device's own SCAFFOLD variate lives in its state directory.
+//! Each algorithm has one home of the same name in each crate: here, in
+//! `fedpo_train::algorithms` (the terms themselves) and in the aggregator's `algorithms`
+//! (the server's half). FedProx needs only its μ and the anchor, so it has no file here.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 
-use candle_core::{Device, Tensor};
-use fedpo_model::io::{read_safetensors, write_safetensors};
-use fedpo_model::{ParamRole, Policy, TensorSource};
-use fedpo_train::terms::{Alignment, AlignmentMode, Grads, Granularity, LocalTerms, Proximal, Scaffold};
+use candle_core::Device;
+use fedpo_model::{ParamRole, Policy, SharedTensor, TensorSource};
+use fedpo_train::algorithms::{Grads, LocalTerms, Proximal};
 use fedpo_wire::{keys, RoundPlan, TensorPayload};
 
 use crate::error::ParticipantError;
 use crate::memory::StartOnDisk;
 use crate::state_dir::StateDir;
+
+mod fedga;
+mod scaffold;
 
 fn protocol(plan: &RoundPlan, what: String) -> ParticipantError {
     ParticipantError::Protocol(format!("round {}: {what}", plan.round))
@@ -80,49 +85,26 @@ pub(crate) fn terms_for(
         terms.proximal = Some(Proximal::new(mu, anchor.clone())?);
     }
     if setting(keys::SCAFFOLD) == Some(1.0) {
-        let c = section(plan, sections, keys::SCAFFOLD_CONTROL, policy, device)?.ok_or_else(|| {
-            protocol(plan, format!("SCAFFOLD is on but the plan has no `{}`", keys::SCAFFOLD_CONTROL))
-        })?;
-        terms.scaffold = Some(Scaffold::new(c, load_control(state, device)?)?);
+        terms.scaffold = Some(scaffold::term(plan, sections, policy, state, device)?);
     }
     if let Some(lambda) = setting(keys::FEDGA_LAMBDA) {
-        // Round 1 has no reference yet: the aggregator has seen no global step.
-        if let Some(reference) = section(plan, sections, keys::FEDGA_REFERENCE, policy, device)? {
-            let granularity =
-                if setting(keys::FEDGA_LAYER) == Some(1.0) { Granularity::Layer } else { Granularity::Full };
-            let mode = if setting(keys::FEDGA_DISPLACEMENT) == Some(1.0) {
-                AlignmentMode::Displacement
-            } else {
-                AlignmentMode::FiniteDifference { rel_step: setting(keys::FEDGA_FD_STEP).unwrap_or(1e-3) }
-            };
-            let weights = plan
-                .strategy
-                .iter()
-                .filter_map(|(k, w)| k.strip_prefix(keys::FEDGA_WEIGHT_PREFIX).map(|layer| (layer.to_string(), *w)))
-                .collect();
-            terms.alignment = Some(Alignment::new(lambda, granularity, weights, mode, reference, anchor.clone())?);
-        }
+        terms.alignment = fedga::term(plan, sections, lambda, policy, anchor, device)?;
     }
     Ok(terms)
 }
 
-const CONTROL_FILE: &str = "scaffold_control.safetensors";
-
-/// The device's SCAFFOLD variate `c_i`, if it has one.
-fn load_control(state: &StateDir, device: &Device) -> Result<Option<Grads>, ParticipantError> {
-    let path = state.path(CONTROL_FILE);
-    if !path.exists() {
-        return Ok(None);
+/// The sections the round's terms send back with the update: SCAFFOLD's `Δc_i` (its
+/// new `c_i` saved first).
+pub(crate) fn upload_sections(
+    terms: &LocalTerms,
+    policy: &Policy,
+    state: &StateDir,
+) -> Result<Vec<(String, Vec<SharedTensor>)>, ParticipantError> {
+    let mut sections = Vec::new();
+    if let Some(s) = &terms.scaffold {
+        sections.extend(scaffold::upload_section(s, policy, state)?);
     }
-    Ok(Some(read_safetensors(&path, device)?.tensors.tensors))
-}
-
-/// Saves `c_i⁺` (atomically), before the update that reports its change is sent.
-pub(crate) fn save_control(state: &StateDir, control: &HashMap<String, Tensor>) -> Result<(), ParticipantError> {
-    let mut tensors: Vec<(String, Tensor)> = control.iter().map(|(n, t)| (n.clone(), t.clone())).collect();
-    tensors.sort_by(|a, b| a.0.cmp(&b.0));
-    let meta = HashMap::from([("format".to_string(), "fedpo-scaffold-control/1".to_string())]);
-    Ok(write_safetensors(&state.path(CONTROL_FILE), &tensors, meta)?)
+    Ok(sections)
 }
 
 #[cfg(test)]

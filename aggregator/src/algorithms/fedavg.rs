@@ -1,29 +1,14 @@
-//! Server strategies, in the spirit of Flower's `Strategy`: the server asks the strategy
-//! what to tell devices each round and how to fold their updates into the global model.
-//! A strategy owns its state and serializes it, so `--resume` restores it exactly.
+//! FedAvg, the default server strategy.
 
 use std::collections::BTreeMap;
 
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 
-use crate::accumulator::{apply_scaled, WeightedSum};
+use super::strategy::Strategy;
+use crate::combined_update::CombinedUpdate;
 use crate::global_model::GlobalModel;
-
-/// A server-side federated optimisation strategy.
-pub(crate) trait Strategy: Send {
-    /// Its name, for metrics.
-    fn name(&self) -> &str;
-    /// Named settings for the round's plan (e.g. a proximal term's μ).
-    fn configure_round(&mut self, round: u64) -> BTreeMap<String, f64>;
-    /// Applies the round's accepted updates to the global model. Returns the L2 norm of
-    /// the applied change.
-    fn aggregate(&mut self, round: u64, global: &mut GlobalModel, updates: &WeightedSum) -> Result<f64>;
-    /// The strategy's state, to checkpoint.
-    fn state(&self) -> Result<Vec<u8>>;
-    /// Restores [`Strategy::state`].
-    fn restore(&mut self, state: &[u8]) -> Result<()>;
-}
+use crate::weighted_sum::apply_scaled;
 
 /// FedAvg (McMahan et al.) with a server learning rate: θ ← θ + η_s · Σ w_i Δ_i / Σ w_i,
 /// weights = each device's number of training pairs.
@@ -49,11 +34,11 @@ impl Strategy for FedAvg {
         BTreeMap::from([("server_lr".to_string(), self.server_lr)])
     }
 
-    fn aggregate(&mut self, _round: u64, global: &mut GlobalModel, updates: &WeightedSum) -> Result<f64> {
+    fn aggregate(&mut self, _round: u64, global: &mut GlobalModel, updates: &CombinedUpdate) -> Result<f64> {
         let names: Vec<String> = global.shared().map(|t| t.name.clone()).collect();
         let mut sq = 0.0;
         for name in names {
-            let Some((sum, weight)) = updates.sum_of(&name) else { return Ok(0.0) };
+            let Some((sum, weight)) = updates.scaled(&name) else { return Ok(0.0) };
             let t = global.get_mut(&name).expect("shared tensor");
             sq += apply_scaled(&mut t.values, sum, self.server_lr / weight);
         }

@@ -103,20 +103,6 @@ impl WeightedSum {
         self.count += 1;
     }
 
-    /// A sum whose mean is `mean` (flattened in the shared set's order), as if `count`
-    /// updates of weight 1 had produced it: a robust rule's result, handed to the
-    /// strategy like any mean.
-    pub(crate) fn from_mean(model: &GlobalModel, mean: &[f64], count: usize) -> Self {
-        let mut offset = 0;
-        let mut sums = HashMap::new();
-        for t in model.shared() {
-            let n = t.values.len();
-            sums.insert(t.name.clone(), mean[offset..offset + n].iter().map(|v| v * count as f64).collect());
-            offset += n;
-        }
-        Self { sums, weight: count as f64, count }
-    }
-
     /// Adds `draw()` to every coordinate of the sum (DP noise, before the division).
     pub(crate) fn perturb(&mut self, mut draw: impl FnMut() -> f64) {
         if self.count == 0 {
@@ -195,8 +181,9 @@ mod tests {
     use fedpo_wire::WireTensor;
 
     use super::*;
+    use crate::algorithms::fedavg::FedAvg;
+    use crate::algorithms::strategy::Strategy;
     use crate::global_model::GlobalTensor;
-    use crate::strategy::{FedAvg, Strategy};
 
     fn tensor(name: &str, values: Vec<f32>, shared: bool) -> GlobalTensor {
         GlobalTensor { name: name.into(), shape: vec![values.len()], values, shared }
@@ -223,7 +210,7 @@ mod tests {
         }
         // mean delta = (10·[1,-1] + 30·[4,2]) / 40 = [3.25, 1.25]; half of it is applied.
         assert!((sum.mean_norm() - (3.25f64.powi(2) + 1.25f64.powi(2)).sqrt()).abs() < 1e-12);
-        let norm = FedAvg::new(0.5).aggregate(1, &mut global, &sum).unwrap();
+        let norm = FedAvg::new(0.5).aggregate(1, &mut global, &sum.into()).unwrap();
         assert_eq!(global.get("a").unwrap().values, vec![1.0 + 1.625, 2.0 + 0.625]);
         assert_eq!(global.get("wte.weight").unwrap().values, vec![5.0]);
         assert!((norm - (1.625f64.powi(2) + 0.625f64.powi(2)).sqrt()).abs() < 1e-12);
@@ -280,7 +267,7 @@ mod tests {
     fn no_update_leaves_the_model_unchanged() {
         let mut global = model();
         let sum = WeightedSum::new(&global);
-        assert_eq!(FedAvg::new(1.0).aggregate(1, &mut global, &sum).unwrap(), 0.0);
+        assert_eq!(FedAvg::new(1.0).aggregate(1, &mut global, &sum.into()).unwrap(), 0.0);
         assert_eq!(global.get("a").unwrap().values, vec![1.0, 2.0]);
     }
 }

@@ -2,7 +2,7 @@
 //!
 //! Values are `f32` on both ends; the dtype only decides how they are carried. `bf16` and
 //! `f16` halve the bytes of an update at a precision cost the caller chooses; `int8` and
-//! `sparse` are the compressed encodings of [`crate::codec`].
+//! `sparse` are the compressed encodings of [`crate::update_codec`].
 
 use std::fmt;
 

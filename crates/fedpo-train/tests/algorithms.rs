@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use candle_core::{DType, Device, Tensor, Var};
 use fedpo_data::TokenizedPair;
 use fedpo_model::{Gpt2Config, LoraConfig, ParamKind, ParamRole, Partition, PartitionPreset, Policy, PolicySpec};
-use fedpo_train::terms::{Alignment, AlignmentMode, Grads, Granularity, LocalTerms, Proximal};
+use fedpo_train::algorithms::{Alignment, AlignmentMode, Grads, Granularity, LocalTerms, Proximal};
 use fedpo_train::{score_pairs, DpoSettings, LocalTrainer, LossKind, OptimConfig, OptimKind, PreferenceSet};
 use rand::{Rng, SeedableRng};
 

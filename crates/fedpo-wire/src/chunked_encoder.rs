@@ -11,10 +11,10 @@ use std::io::Write;
 
 use serde::ser::{Serialize, SerializeSeq, Serializer};
 
-use crate::codec::UpdateCodec;
 use crate::digest::Hasher;
 use crate::message::{Manifest, TensorInfo, TransferChunk};
-use crate::tensor::{TensorPayload, ToWire, WireDType};
+use crate::update_codec::UpdateCodec;
+use crate::wire_tensor::{TensorPayload, ToWire, WireDType};
 
 /// A payload's wire bytes in pieces of at most `chunk_bytes`, with their digest.
 #[derive(Debug, Clone, PartialEq)]
@@ -183,7 +183,7 @@ impl EncodedPayload {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tensor::{ToWire, WireDType};
+    use crate::wire_tensor::{ToWire, WireDType};
 
     struct Named(&'static str, Vec<u64>, Vec<f32>);
     impl ToWire for Named {

@@ -1,4 +1,5 @@
-//! The federated methods a job can run.
+//! The `--method` choices: the parameter partition a federated job trains (what is shared,
+//! what stays on the device), or centralized training.
 
 use std::fmt;
 use std::str::FromStr;

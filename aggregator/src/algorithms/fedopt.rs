@@ -17,9 +17,9 @@ use std::collections::BTreeMap;
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 
-use crate::accumulator::WeightedSum;
+use super::strategy::Strategy;
+use crate::combined_update::CombinedUpdate;
 use crate::global_model::GlobalModel;
-use crate::strategy::Strategy;
 
 /// Which second-moment rule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -67,7 +67,7 @@ impl Strategy for FedAdaptive {
         ])
     }
 
-    fn aggregate(&mut self, _round: u64, global: &mut GlobalModel, updates: &WeightedSum) -> Result<f64> {
+    fn aggregate(&mut self, _round: u64, global: &mut GlobalModel, updates: &CombinedUpdate) -> Result<f64> {
         let names: Vec<String> = global.shared().map(|t| t.name.clone()).collect();
         let (b1, b2, tau, lr) = (self.beta1, self.beta2, self.tau, self.lr);
         let mut sq = 0.0;
@@ -125,11 +125,11 @@ mod tests {
         )
     }
 
-    fn sum_of(global: &GlobalModel, delta: [f32; 2]) -> WeightedSum {
-        let mut s = WeightedSum::new(global);
+    fn sum_of(global: &GlobalModel, delta: [f32; 2]) -> CombinedUpdate {
+        let mut s = crate::weighted_sum::WeightedSum::new(global);
         let t = GlobalTensor { name: "a".into(), shape: vec![2], values: delta.to_vec(), shared: true };
         s.add(&TensorPayload::encode(&[t], WireDType::F32), 3.0);
-        s
+        s.into()
     }
 
     #[test]

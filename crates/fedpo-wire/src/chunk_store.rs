@@ -18,7 +18,7 @@ use crate::digest::Hasher;
 use crate::error::{Result, WireError};
 
 /// The chunks received so far, by index.
-pub(crate) enum Parts {
+pub(crate) enum ChunkStore {
     Memory(MemoryParts),
     Spool(SpoolFile),
 }
@@ -48,7 +48,7 @@ fn spool_err(path: &Path, e: impl std::fmt::Display) -> WireError {
     WireError::Spool { path: path.display().to_string(), reason: e.to_string() }
 }
 
-impl Parts {
+impl ChunkStore {
     /// In memory, for `count` chunks of `total` bytes together (a checked manifest's). The
     /// space is reserved up front, so joining never reallocates; what was not reserved
     /// cannot be touched, and a device without the memory says so instead of aborting.

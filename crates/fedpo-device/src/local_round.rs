@@ -14,9 +14,9 @@ use fedpo_train::{
 };
 use fedpo_wire::{keys, Limits, RoundPlan, TensorPayload, UpdateMetrics};
 
+use crate::algorithms::{shared_anchor, terms_for, upload_sections};
 use crate::error::ParticipantError;
-use crate::local_terms::{save_control, shared_anchor, terms_for};
-use crate::state_dir::{Progress, StateDir, REFERENCE_MODEL};
+use crate::state_dir::{JobProgress, StateDir, REFERENCE_MODEL};
 use fedpo_process::usage::peak_rss_mib;
 
 /// The scratch file of a round whose starting model waits on disk.
@@ -103,7 +103,7 @@ struct PolicyBuild<'a> {
 pub(crate) fn train_round(
     input: RoundInputs<'_>,
     state: &StateDir,
-    progress: &mut Progress,
+    progress: &mut JobProgress,
 ) -> Result<RoundOutcome, ParticipantError> {
     let started = Instant::now();
     let plan = input.plan;
@@ -255,12 +255,7 @@ pub(crate) fn train_round(
             state.save_progress(progress)?;
         }
     }
-    if let Some(scaffold) = &trainer.terms().scaffold {
-        if let Some((control, change)) = scaffold.finish()? {
-            save_control(state, &control)?;
-            sections.push((keys::SCAFFOLD_CONTROL_DELTA.to_string(), policy.shared_values(&change)?));
-        }
-    }
+    sections.extend(upload_sections(trainer.terms(), &policy, state)?);
     let start_was_on_disk = matches!(start, RoundStart::OnDisk(_));
     let delta = match start {
         _ if steps == 0 => Vec::new(),

@@ -8,12 +8,14 @@ use clap::Args;
 use fedpo_model::checkpoint::load_hf_dir;
 use fedpo_model::{Gpt2Config, LoraConfig, LoraTargets, Partition, Policy, PolicySpec};
 
-use crate::adaptive::{Adaptivity, FedAdaptive};
-use crate::aggregation::AggregationArgs;
-use crate::client_term::{resolve_layer_weights, ClientTerm, ClientTermKind, FedgaSettings};
+use crate::algorithms::client_term::{ClientTerm, ClientTermKind};
+use crate::algorithms::fedavg::FedAvg;
+use crate::algorithms::fedga::{resolve_layer_weights, FedgaSettings};
+use crate::algorithms::fedopt::{Adaptivity, FedAdaptive};
+use crate::algorithms::strategy::Strategy;
+use crate::combine::AggregationArgs;
 use crate::global_model::GlobalModel;
-use crate::method::Method;
-use crate::strategy::{FedAvg, Strategy};
+use crate::partitions::Method;
 
 /// How rounds run.
 #[derive(Debug, Args, Clone)]
@@ -279,7 +281,7 @@ impl JobArgs {
     /// own update or gradient at the aggregator.
     fn validate_secure(&self) -> Result<()> {
         let hidden = "secure aggregation hides individual updates";
-        if self.aggregation.aggregation != crate::robust::AggregationRule::Mean {
+        if self.aggregation.aggregation != crate::algorithms::robust::AggregationRule::Mean {
             bail!(
                 "--aggregation {} needs every device's own update, and {hidden}; use the mean with --secure-aggregation",
                 self.aggregation.aggregation.name()

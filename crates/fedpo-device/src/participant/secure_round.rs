@@ -10,7 +10,7 @@ use fedpo_wire::{
 };
 
 use super::{Participant, ParticipantError};
-use crate::state_dir::Progress;
+use crate::state_dir::JobProgress;
 
 /// This device's secure-aggregation state for one round.
 pub(super) struct SecureRound {
@@ -29,7 +29,7 @@ pub(super) struct Trained {
     pub(super) values: Vec<f32>,
     pub(super) global_digest: String,
     pub(super) metrics: UpdateMetrics,
-    pub(super) progress: Progress,
+    pub(super) progress: JobProgress,
 }
 
 impl Participant {
@@ -100,7 +100,7 @@ impl Participant {
         delta: &[SharedTensor],
         global_digest: String,
         metrics: UpdateMetrics,
-        progress: Progress,
+        progress: JobProgress,
     ) -> Result<(), ParticipantError> {
         let Some(s) = self.secure.as_mut().filter(|s| s.round == plan.round) else {
             return Err(ParticipantError::Protocol(format!("round {}: no secure-aggregation keys", plan.round)));

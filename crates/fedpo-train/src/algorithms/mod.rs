@@ -1,4 +1,7 @@
-//! Terms federated algorithms add to a device's local DPO objective.
+//! The training half of each federated algorithm: the terms it adds to a device's local
+//! DPO objective. Each algorithm has one home of the same name in each crate: here,
+//! `fedpo_device::algorithms` (what a plan asks of the device) and
+//! `fedpo_aggregator`'s `algorithms` (the server's half).
 //!
 //! Each term acts on the gradient of the shared parameters before the optimizer step, so
 //! it composes with any parameter partition (pfeddpo, feddpo, shared-lora) and with
@@ -9,13 +12,13 @@
 //! - [`Alignment`] (FedGA): `λ·Σ_l w_l·(1 − cos(g_l, r_l))` against the aggregator's
 //!   reference direction.
 
-mod alignment;
-mod proximal;
+mod fedga;
+mod fedprox;
 mod scaffold;
 mod vector;
 
-pub use alignment::{layer_of, Alignment, AlignmentMode, Granularity};
-pub use proximal::Proximal;
+pub use fedga::{layer_of, Alignment, AlignmentMode, Granularity};
+pub use fedprox::Proximal;
 pub use scaffold::Scaffold;
 pub(crate) use vector::add_scaled;
 pub use vector::Grads;
