@@ -15,17 +15,17 @@ use fedpo_data::{fingerprint, tokenize_pairs, PreferencePair, TokenizedPair};
 use fedpo_model::Gpt2Tokenizer;
 use fedpo_transport::{BrokerUrl, LinkEvent, LinkOptions, MqttLink, TlsFiles, Topics};
 use fedpo_wire::{
-    Bundle, BundleProgress, DeviceBye, DeviceHello, EncodedPayload, Limits, Message, RoundDeclined, RoundPlan,
-    TensorPayload, TrustedKey, WireDType, DEFAULT_CHUNK_BYTES,
+    Bundle, BundleProgress, DeviceBye, DeviceHello, Limits, Message, RoundDeclined, RoundPlan, TensorPayload,
+    TrustedKey,
 };
 
-use crate::algorithms::start_placement;
 use crate::local_round::{train_round, RoundInputs};
-use crate::memory::{self, longest, PlanRequest, StepKernels};
+
 use crate::state_dir::StateDir;
 
 mod admission;
 mod download;
+mod memory_plan;
 mod secure_round;
 mod session;
 mod slots;
@@ -270,52 +270,6 @@ impl Participant {
         self.send(&Message::Hello(tagged(hello, &self.cfg.broker)))
     }
 
-    /// Plans the round's micro-batch under `--max-memory` (and on a GPU its free memory),
-    /// before the model is downloaded. A model that cannot fit is an error: no later round
-    /// of the job would fit either.
-    fn fit_memory(&mut self, plan: &RoundPlan) -> Result<(), ParticipantError> {
-        let Some(budget) = memory::training_budget_mib(&self.cfg.compute, self.cfg.max_memory_mib) else {
-            self.micro_batch_pairs = self.cfg.max_micro_batch_pairs;
-            self.start_on_disk = self.cfg.start_on_disk;
-            return Ok(());
-        };
-        let spec: fedpo_model::PolicySpec = serde_json::from_str(&plan.model_spec)
-            .map_err(|e| ParticipantError::Protocol(format!("round {}: unreadable model spec: {e}", plan.round)))?;
-        let (seq_len, response_len) = longest(&self.train);
-        let (h_seq, h_resp) = longest(&self.heldout);
-        let batch_pairs = plan.hyper.batch_pairs.max(1) as usize;
-        let request = PlanRequest {
-            config: spec.config,
-            lora: spec.lora.filter(|_| spec.partition.uses_adapter()),
-            partition: spec.partition,
-            optimizer: fedpo_train::OptimKind::Sgd,
-            batch_pairs,
-            max_micro_batch_pairs: self.cfg.max_micro_batch_pairs.unwrap_or(batch_pairs),
-            seq_len: seq_len.max(h_seq),
-            response_len: response_len.max(h_resp),
-            federated: true,
-            start_on_disk: start_placement(&plan.strategy, self.cfg.start_on_disk),
-            may_freeze_embeddings: false,
-            may_shorten: false,
-            kernels: StepKernels::for_run(&self.cfg.compute, self.cfg.compute_dtype),
-        };
-        let fitted =
-            memory::plan(&request, budget).map_err(|reason| ParticipantError::Memory { round: plan.round, reason })?;
-        if self.micro_batch_pairs != Some(fitted.micro_batch_pairs) || self.start_on_disk != fitted.start_on_disk {
-            tracing::info!(
-                round = plan.round,
-                budget_mib = budget,
-                plan = %fitted,
-                longest_sequence = request.seq_len,
-                longest_response = request.response_len,
-                "memory plan"
-            );
-        }
-        self.micro_batch_pairs = Some(fitted.micro_batch_pairs);
-        self.start_on_disk = fitted.start_on_disk;
-        Ok(())
-    }
-
     /// The driver: waits for the link, turns what arrives into the session's events, and
     /// carries out the actions the session returns.
     fn event_loop(&mut self) -> Result<(), ParticipantError> {
@@ -540,26 +494,6 @@ impl Participant {
         if plan.secagg.is_some() && !outcome.delta.is_empty() {
             return self.secure_update(plan, &outcome.delta, model_digest, outcome.metrics, progress);
         }
-        let encoding = Instant::now();
-        let codec = plan.update_codec;
-        let (encoded, residual) = if codec.uses_error_feedback() {
-            let mut residual = self.state.residual(progress.last_round)?;
-            let payload = residual.compress(&outcome.delta, codec);
-            tracing::debug!(owed = format_args!("{:.4}", residual.norm()), %codec, "error feedback");
-            (self.rewritten(payload), Some(residual))
-        } else if self.cfg.rewrite_update.is_some() {
-            (self.rewritten(TensorPayload::compress(&outcome.delta, codec)), None)
-        } else {
-            // Straight from the delta's buffers into the chunks.
-            (EncodedPayload::compress(&outcome.delta, codec, DEFAULT_CHUNK_BYTES), None)
-        };
-        drop(outcome.delta);
-        let sections = outcome
-            .sections
-            .iter()
-            .map(|(name, tensors)| (name.clone(), TensorPayload::encode(tensors, WireDType::F32)))
-            .collect();
-        tracing::debug!(seconds = format_args!("{:.3}", encoding.elapsed().as_secs_f64()), %codec, "update encoded");
-        self.send_update(plan.round, model_digest, encoded, sections, outcome.metrics, progress, residual)
+        self.encode_and_send(plan, outcome, model_digest, progress)
     }
 }

@@ -1,15 +1,50 @@
-//! An update's way out: its chunks, the copy kept for resending, the round recorded as
-//! done, and the publishes.
+//! An update's way out, after training: encoded in the plan's codec (with error feedback
+//! where the codec has it), split into chunks, the copy kept for resending, the round
+//! recorded as done, and the publishes.
 
 use std::time::Instant;
 
 use fedpo_transport::MqttLink;
-use fedpo_wire::{split_payload, EncodedPayload, Message, Residual, TensorPayload, Update, DEFAULT_CHUNK_BYTES};
+use fedpo_wire::{
+    split_payload, EncodedPayload, Message, Residual, RoundPlan, TensorPayload, Update, WireDType, DEFAULT_CHUNK_BYTES,
+};
 
 use super::{Participant, ParticipantError};
+use crate::local_round::RoundOutcome;
 use crate::state_dir::{JobProgress, SentUpdate};
 
 impl Participant {
+    /// Encodes a trained round's delta and sections and sends them ([`Self::send_update`]).
+    pub(super) fn encode_and_send(
+        &mut self,
+        plan: &RoundPlan,
+        outcome: RoundOutcome,
+        model_digest: String,
+        progress: JobProgress,
+    ) -> Result<(), ParticipantError> {
+        let encoding = Instant::now();
+        let codec = plan.update_codec;
+        let (encoded, residual) = if codec.uses_error_feedback() {
+            let mut residual = self.state.residual(progress.last_round)?;
+            let payload = residual.compress(&outcome.delta, codec);
+            tracing::debug!(owed = format_args!("{:.4}", residual.norm()), %codec, "error feedback");
+            (self.rewritten(payload), Some(residual))
+        } else if self.cfg.rewrite_update.is_some() {
+            (self.rewritten(TensorPayload::compress(&outcome.delta, codec)), None)
+        } else {
+            // Straight from the delta's buffers into the chunks.
+            (EncodedPayload::compress(&outcome.delta, codec, DEFAULT_CHUNK_BYTES), None)
+        };
+        drop(outcome.delta);
+        let sections = outcome
+            .sections
+            .iter()
+            .map(|(name, tensors)| (name.clone(), TensorPayload::encode(tensors, WireDType::F32)))
+            .collect();
+        tracing::debug!(seconds = format_args!("{:.3}", encoding.elapsed().as_secs_f64()), %codec, "update encoded");
+        self.send_update(plan.round, model_digest, encoded, sections, outcome.metrics, progress, residual)
+    }
+
     /// The chunks of an update payload, after the configuration's rewrite, if any.
     pub(super) fn rewritten(&self, payload: TensorPayload) -> EncodedPayload {
         let payload = match &self.cfg.rewrite_update {
