@@ -266,6 +266,8 @@ pub struct Gpt2 {
     /// The dtype of matmuls and activations; `dtype` (the parameters', the logits' and
     /// every reduction's) unless set lower for mixed precision.
     compute: DType,
+    /// The operands' precision in the large matmuls (see [`ops::MatmulPrecision`]).
+    matmuls: ops::MatmulPrecision,
     device: Device,
 }
 
@@ -290,6 +292,7 @@ impl Gpt2 {
             n_positions: cfg.n_positions,
             dtype: b.dtype(),
             compute: b.dtype(),
+            matmuls: ops::MatmulPrecision::F32,
             device: b.device().clone(),
         })
     }
@@ -299,16 +302,34 @@ impl Gpt2 {
         self.dtype
     }
 
-    /// The dtype matmuls and activations run in.
+    /// The precision the model computes in: its matmuls' operands, and its activations
+    /// where those follow (see [`Gpt2::set_compute_dtype`]).
     pub fn compute_dtype(&self) -> DType {
-        self.compute
+        match self.matmuls {
+            ops::MatmulPrecision::Bf16 => DType::BF16,
+            ops::MatmulPrecision::F32 => self.compute,
+        }
     }
 
-    /// Mixed precision: run matmuls and activations in `compute` (bf16 or f16) while the
-    /// parameters, their gradients, layer norms, softmax and the logits stay in the master
-    /// dtype.
+    /// Mixed precision, with parameters, their gradients, layer norms, softmax and the
+    /// logits in the master dtype.
+    ///
+    /// bf16 over f32 parameters on the CPU keeps the activations in f32 and the fused
+    /// kernels, and rounds only the large matmuls' operands to bf16 (f32 accumulation, see
+    /// [`ops::MatmulPrecision`]). Elsewhere, and for f16, activations and matmuls run in
+    /// `compute` through candle's ops.
     pub fn set_compute_dtype(&mut self, compute: DType) {
-        self.compute = compute;
+        let bf16_matmuls = compute == DType::BF16 && self.dtype == DType::F32 && self.device.is_cpu();
+        (self.compute, self.matmuls) = if bf16_matmuls {
+            (DType::F32, ops::MatmulPrecision::Bf16)
+        } else {
+            (compute, ops::MatmulPrecision::F32)
+        };
+    }
+
+    /// The matmul precision this model's passes run at.
+    pub fn matmul_precision(&self) -> ops::MatmulPrecision {
+        self.matmuls
     }
 
     /// Whether blocks run as one fused op on the CPU in full precision (the default), or
@@ -331,6 +352,7 @@ impl Gpt2 {
     /// ([`ops::Fork`]): a fork's second branch takes the first's positions and does not
     /// see it, so each branch's hidden states are those of `prefix ++ branch` alone.
     pub fn hidden_states_forked(&self, input_ids: &Tensor, forks: &ops::Forks) -> Result<Tensor> {
+        let _precision = self.matmuls.scope();
         let (b, t) = input_ids.dims2()?;
         let longest = (0..b).map(|i| forks.of(i).map_or(t, |f| t.saturating_sub(f.first))).max().unwrap_or(t);
         if longest > self.n_positions {
@@ -367,6 +389,7 @@ impl Gpt2 {
     /// Logits `[n, vocab]` for hidden states `[n, n_embd]`, in the master dtype: the
     /// log-softmax over the vocabulary that follows needs its precision.
     pub fn lm_head(&self, hidden: &Tensor) -> Result<Tensor> {
+        let _precision = self.matmuls.scope();
         if ops::TiedGradient::routes(&self.wte) && hidden.dtype() == self.wte.dtype() {
             return Ok(self.tied.head(hidden, &self.wte)?);
         }
@@ -379,6 +402,7 @@ impl Gpt2 {
     /// `[n]`, in the master dtype. On the CPU in full precision the head and the log-softmax
     /// run as one op that keeps no logits tensor in the graph.
     pub fn token_logprobs(&self, hidden: &Tensor, targets: &Tensor) -> Result<Tensor> {
+        let _precision = self.matmuls.scope();
         let fused =
             self.device.is_cpu() && hidden.dtype() == self.wte.dtype() && matches!(self.dtype, DType::F32 | DType::F64);
         if fused {
@@ -406,7 +430,10 @@ impl Gpt2 {
             self.tied.clear();
             self.block_grads.clear();
         }
-        let mut grads = loss.backward()?;
+        let mut grads = {
+            let _precision = self.matmuls.scope();
+            loss.backward()?
+        };
         // The embedding's buffer is carried only where the head adds into it as well (it
         // runs in the embedding's dtype). Under mixed precision the head's part reaches
         // candle's store, the caller sums it over the passes, and a carried buffer beside

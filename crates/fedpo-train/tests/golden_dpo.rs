@@ -2,9 +2,10 @@
 //!
 //! Fixtures: `fixtures/golden/gen_golden.py`. The reference computes in f64 on f32-rounded
 //! weights, so fedpo in f64 must agree to 1e-12 and in f32 to 2e-5 relative (measured:
-//! 1e-14 and 1.5e-6). Mixed precision (f32 parameters, bf16 or f16 matmuls and
-//! activations) is held to the bounds its tests state, against the same f64 reference:
-//! the accuracy guard any faster half-precision kernel must keep.
+//! 1e-14 and 1.5e-6). Mixed precision is held to the bounds its tests state, against the
+//! same f64 reference: the accuracy guard any faster half-precision kernel must keep.
+//! bf16 on the CPU is f32 activations with bf16 matmul operands (the packed kernels); f16
+//! is candle's ops with f16 matmuls and activations.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -32,11 +33,14 @@ impl Bounds {
     }
 }
 
-/// Mixed precision's bounds, two to three times what each measured (`docs/benchmark-log.md`,
+/// Mixed precision's bounds, two to four times what each measured (`docs/benchmark-log.md`,
 /// "Mixed-precision accuracy"). bf16 keeps 8 significant bits and f16 11; a gradient's
 /// largest error lands on its smallest-magnitude direction, so its cosine is the sharper
 /// test.
-const BF16: Bounds = Bounds { logps: 2e-3, loss: 1e-2, grads: 0.3, grad_cosine: 0.99 };
+const BF16: Bounds = Bounds { logps: 5e-4, loss: 2e-3, grads: 1.5e-3, grad_cosine: 0.9999999 };
+/// Below this the reference log-probs' error says the bf16 matmuls did not run (f32's
+/// measured 1.5e-6; bf16's 1.7e-4).
+const BF16_FLOOR: f64 = 2e-5;
 const F16: Bounds = Bounds { logps: 5e-4, loss: 1e-3, grads: 0.07, grad_cosine: 0.9995 };
 
 fn golden(name: &str) -> PathBuf {
@@ -129,6 +133,9 @@ fn check(dtype: DType, compute: DType, bounds: Bounds) {
     let e = rel_err(&vec_tensor(&ref_rows), &f.tensors["ref_logps"]);
     eprintln!("{compute:?} reference log-probs: rel err {e:.2e}");
     assert!(e < bounds.logps, "reference log-probs: rel err {e}");
+    if compute == DType::BF16 {
+        assert!(e > BF16_FLOOR, "reference log-probs at f32's accuracy ({e}): bf16 did not run");
+    }
 
     let lora_policy = policy(PartitionPreset::SharedLora, dtype, compute);
     let pol = score_pairs(&lora_policy, &f.pairs, 2, f.pad_id).unwrap();
@@ -150,7 +157,7 @@ fn check(dtype: DType, compute: DType, bounds: Bounds) {
     for (key, expected) in &f.tensors {
         if let Some(name) = key.strip_prefix("grad.") {
             let (e, cos) = (rel_err(&grads[name], expected), cosine(&grads[name], expected));
-            eprintln!("{compute:?} grad {name}: rel err {e:.2e}, cosine {cos:.6}");
+            eprintln!("{compute:?} grad {name}: rel err {e:.2e}, cosine {cos:.9}");
             assert!(e < bounds.grads && cos >= bounds.grad_cosine, "{name}: rel err {e}, cosine {cos}");
             checked += 1;
         }
@@ -164,7 +171,7 @@ fn check(dtype: DType, compute: DType, bounds: Bounds) {
     for name in ["h.1.attn.c_proj.weight", "wte.weight"] {
         let expected = &f.tensors[&format!("grad_base.{name}")];
         let (e, cos) = (rel_err(&grads[name], expected), cosine(&grads[name], expected));
-        eprintln!("{compute:?} base grad {name}: rel err {e:.2e}, cosine {cos:.6}");
+        eprintln!("{compute:?} base grad {name}: rel err {e:.2e}, cosine {cos:.9}");
         assert!(e < bounds.grads && cos >= bounds.grad_cosine, "{name}: rel err {e}, cosine {cos}");
     }
 }

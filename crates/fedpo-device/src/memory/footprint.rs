@@ -37,7 +37,8 @@ pub const SAFETY_MARGIN: f64 = 1.15;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StepKernels {
     /// One op per block, the head fused with its log-softmax, attention keeping nothing
-    /// for backward: f32 (or f64) on the CPU.
+    /// for backward: f32 (or f64) on the CPU, and bf16 there too (f32 activations, bf16
+    /// matmul operands packed per product).
     Fused,
     /// candle's ops one by one: half-precision compute, and every device but the CPU.
     Composed,
@@ -45,9 +46,9 @@ pub enum StepKernels {
 
 impl StepKernels {
     /// The kernels a model on `device` computing in `compute_dtype` trains with (the
-    /// condition `fedpo_model`'s fused block checks).
+    /// condition `fedpo_model`'s fused block checks; see `Gpt2::set_compute_dtype`).
     pub fn for_run(device: &Device, compute_dtype: DType) -> Self {
-        if device.is_cpu() && matches!(compute_dtype, DType::F32 | DType::F64) {
+        if device.is_cpu() && matches!(compute_dtype, DType::F32 | DType::F64 | DType::BF16) {
             Self::Fused
         } else {
             Self::Composed

@@ -23,6 +23,7 @@ use rayon::prelude::*;
 use super::fast_math::FastExp;
 use super::fork::Forks;
 use super::query_blocks::{query_blocks, QueryBlock, MAX_ROWS};
+use super::bf16_gemm::MatmulPrecision;
 use super::strided_gemm::gemm_into;
 use super::{contiguous_slice, full_precision, CResult};
 
@@ -92,7 +93,8 @@ unsafe fn matmul_into<T: WithDType>(
     alpha: T,
 ) {
     // SAFETY: the caller's contract.
-    unsafe { gemm_into(mnk, dst, dst_rs, accumulate, lhs, lhs_strides, rhs, rhs_strides, alpha, 1) }
+    // Per-head products are below the bf16 path's size and stay f32 at any precision.
+    unsafe { gemm_into(mnk, dst, dst_rs, accumulate, lhs, lhs_strides, rhs, rhs_strides, alpha, 1, MatmulPrecision::F32) }
 }
 
 /// One head of one sequence: where its queries, keys and values start in the projection

@@ -43,6 +43,11 @@ macro_rules! map_float_storage {
 }
 
 mod attention;
+mod bf16_gemm;
+#[cfg(target_arch = "x86_64")]
+mod bf16_kernels;
+#[cfg(target_arch = "x86_64")]
+mod bf16_pack;
 mod block;
 #[cfg(feature = "cuda")]
 mod cuda;
@@ -71,6 +76,7 @@ use candle_core::{CpuStorage, Layout, Tensor, WithDType, D};
 pub use attention::{
     causal_self_attention, causal_self_attention_composed, forked_self_attention, forked_self_attention_composed,
 };
+pub use bf16_gemm::{Bf16Engine, MatmulPrecision, PrecisionScope};
 pub use block::{fused_block, Adapter, BlockGradients, BlockWeights, Projection};
 pub use fork::{Fork, Forks};
 pub use gelu::gelu_new;

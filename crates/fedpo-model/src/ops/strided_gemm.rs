@@ -11,11 +11,13 @@ use candle_core::{CpuStorage, CustomOp2, DType, InplaceOp3, Layout, Shape, Tenso
 
 use rayon::prelude::*;
 
+use super::bf16_gemm::{self, bf16_gemm_into, Bf16Engine, MatmulPrecision};
 use super::{contiguous_slice, CResult};
 
 /// `dst[m x n] = scale * lhs @ rhs`, or with `accumulate`, `dst += scale * lhs @ rhs`;
 /// each operand is a pointer with its (row, column) strides. `threads > 1` splits the work
-/// over rayon (see [`split_over_threads`]).
+/// over rayon (see [`split_over_threads`]). An f32 product at `MatmulPrecision::Bf16`
+/// large enough to gain goes to [`bf16_gemm_into`] instead.
 ///
 /// # Safety
 /// Every element the strides address must lie inside its buffer, `dst` must not alias the
@@ -32,7 +34,27 @@ pub(super) unsafe fn gemm_into<T: WithDType>(
     (rhs_rs, rhs_cs): (usize, usize),
     scale: T,
     threads: usize,
+    precision: MatmulPrecision,
 ) {
+    if T::DTYPE == DType::F32 && bf16_gemm::takes(precision, (m, n, k)) {
+        // SAFETY: T is f32 (checked), so the casts are identities; the contract is ours.
+        unsafe {
+            bf16_gemm_into(
+                Bf16Engine::detect(),
+                (m, n, k),
+                dst.cast(),
+                dst_rs,
+                accumulate,
+                lhs.cast(),
+                (lhs_rs, lhs_cs),
+                rhs.cast(),
+                (rhs_rs, rhs_cs),
+                scale.to_f64() as f32,
+                threads,
+            )
+        };
+        return;
+    }
     let one_thread = |(m, n, k): (usize, usize, usize),
                       dst: *mut T,
                       dst_rs: usize,
@@ -233,7 +255,19 @@ pub(super) fn matmul_nt<T: WithDType>(a: &[T], b: &[T], (m, n, k): (usize, usize
     // without `accumulate` gemm writes every element of out and reads none, so the
     // length can be set after it.
     unsafe {
-        gemm_into((m, n, k), out.as_mut_ptr(), n, false, a.as_ptr(), (k, 1), b.as_ptr(), (1, k), T::one(), threads());
+        gemm_into(
+            (m, n, k),
+            out.as_mut_ptr(),
+            n,
+            false,
+            a.as_ptr(),
+            (k, 1),
+            b.as_ptr(),
+            (1, k),
+            T::one(),
+            threads(),
+            MatmulPrecision::current(),
+        );
         out.set_len(m * n);
     }
     Ok(out)
@@ -258,7 +292,21 @@ fn check_tn<T: WithDType>(a: &[T], b: &[T], dst_len: usize, (m, n, k): (usize, u
 /// [`check_tn`] passed for these lengths, and `dst` holds `m * n` elements.
 unsafe fn tn_into<T: WithDType>(dst: *mut T, accumulate: bool, a: &[T], b: &[T], (m, n, k): (usize, usize, usize)) {
     // SAFETY: the lengths fit (the caller's contract); a^T's (row, col) is a's (col, row).
-    unsafe { gemm_into((m, n, k), dst, n, accumulate, a.as_ptr(), (1, m), b.as_ptr(), (n, 1), T::one(), threads()) }
+    unsafe {
+        gemm_into(
+            (m, n, k),
+            dst,
+            n,
+            accumulate,
+            a.as_ptr(),
+            (1, m),
+            b.as_ptr(),
+            (n, 1),
+            T::one(),
+            threads(),
+            MatmulPrecision::current(),
+        )
+    }
 }
 
 /// `a^T @ b` for row-major `a: [k, m]` and `b: [k, n]`: the embedding's gradient from the
@@ -344,6 +392,7 @@ unsafe fn strided_into<T: WithDType>(
                 (rhs.1, rhs.2),
                 scale,
                 threads(),
+                MatmulPrecision::current(),
             )
         };
     }
@@ -559,6 +608,7 @@ mod tests {
                         rhs_strides,
                         1.0,
                         threads,
+                        MatmulPrecision::F32,
                     );
                 }
                 let err = ours.iter().zip(&expected).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);

@@ -1,0 +1,332 @@
+//! Matmuls on bf16 operands with f32 accumulation, for f32 tensors: the mixed-precision
+//! step's products.
+//!
+//! The step keeps parameters, activations, layer norms, softmax, log-probabilities and the
+//! loss in f32 and rounds only the two operands of each large matmul to bf16 while packing
+//! them; products accumulate in f32. This is what PyTorch's CPU autocast does for a matmul
+//! (it also stores the activations in bf16, which this step does not: the fused kernels
+//! keep theirs in f32 and the memory they take is already a third of PyTorch's).
+//!
+//! Which kernel runs is decided once per process ([`Bf16Engine::detect`]):
+//! - AMX tiles (`tdpbf16ps`), where the CPU has AMX-BF16 and Linux grants the tile state;
+//! - AVX512-BF16 (`vdpbf16ps`);
+//! - elsewhere, rounding the operands to bf16 and multiplying them with the f32 gemm:
+//!   the same numbers as the hardware (a product of two bf16 is exact in f32), no faster
+//!   than f32. `--compute-dtype auto` does not pick bf16 on such a CPU.
+//!
+//! Whether a model's matmuls take this path is [`MatmulPrecision`], set for the duration
+//! of a forward or backward pass by [`MatmulPrecision::scope`] on the thread that runs it.
+
+use std::cell::Cell;
+
+use super::strided_gemm::gemm_into;
+
+/// The precision of the operands of a model's large f32 matmuls.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum MatmulPrecision {
+    /// f32 operands (the default).
+    #[default]
+    F32,
+    /// Operands rounded to bf16, products accumulated in f32.
+    Bf16,
+}
+
+thread_local! {
+    static PRECISION: Cell<MatmulPrecision> = const { Cell::new(MatmulPrecision::F32) };
+}
+
+/// Restores the thread's previous precision when dropped.
+#[must_use = "the precision holds only while the guard lives"]
+pub struct PrecisionScope(MatmulPrecision);
+
+impl Drop for PrecisionScope {
+    fn drop(&mut self) {
+        PRECISION.with(|p| p.set(self.0));
+    }
+}
+
+impl MatmulPrecision {
+    /// Runs this thread's matmuls at `self` until the guard drops. The fused ops read it
+    /// on the thread that calls them, before they fan out over rayon.
+    pub fn scope(self) -> PrecisionScope {
+        PrecisionScope(PRECISION.with(|p| p.replace(self)))
+    }
+
+    /// The precision in force on this thread.
+    pub fn current() -> Self {
+        PRECISION.with(Cell::get)
+    }
+}
+
+/// The kernel that multiplies bf16 operands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Bf16Engine {
+    /// AMX tiles.
+    Amx,
+    /// AVX512-BF16 `vdpbf16ps`.
+    Avx512Bf16,
+    /// Rounded operands through the f32 gemm.
+    Emulated,
+}
+
+impl Bf16Engine {
+    /// The fastest engine this CPU and OS allow (asked once).
+    pub fn detect() -> Self {
+        static ENGINE: std::sync::OnceLock<Bf16Engine> = std::sync::OnceLock::new();
+        *ENGINE.get_or_init(|| {
+            let engine = Self::probe();
+            tracing::debug!(?engine, "bf16 matmul engine");
+            engine
+        })
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    fn probe() -> Self {
+        use super::bf16_kernels::{amx_usable, avx512_bf16_usable};
+        match (avx512_bf16_usable(), amx_usable()) {
+            // The packs round with AVX512-BF16 on every AMX CPU made so far; an AMX CPU
+            // without it would take the emulation rather than scalar packing.
+            (true, true) => Self::Amx,
+            (true, false) => Self::Avx512Bf16,
+            _ => Self::Emulated,
+        }
+    }
+
+    #[cfg(not(target_arch = "x86_64"))]
+    fn probe() -> Self {
+        Self::Emulated
+    }
+
+    /// Whether bf16 products run faster than f32 ones here.
+    pub fn is_native(self) -> bool {
+        self != Self::Emulated
+    }
+
+    /// The engines this machine can run, the detected one first (tests compare them).
+    pub fn available() -> Vec<Self> {
+        let mut engines = vec![Self::detect()];
+        if engines[0] == Self::Amx {
+            engines.push(Self::Avx512Bf16);
+        }
+        if engines[0] != Self::Emulated {
+            engines.push(Self::Emulated);
+        }
+        engines
+    }
+}
+
+/// The inner dimension is cut into slices of this many, so a pack of the left operand
+/// never grows with it (the head's `e @ wte` runs 50,257 deep).
+const KC: usize = 4096;
+
+/// Whether `gemm_into` should hand an `(m, n, k)` f32 product to [`bf16_gemm_into`]: at
+/// bf16 precision, every product with at least a tile's 16 rows and columns and 32-deep
+/// inner dimension. Thinner ones (a LoRA factor's rank-8 side, a decoded token's single
+/// row) would be mostly padding and stay f32; so do attention's per-head products, whose
+/// caller asks for f32.
+pub(super) fn takes(precision: MatmulPrecision, (m, n, k): (usize, usize, usize)) -> bool {
+    precision == MatmulPrecision::Bf16 && m >= 16 && n >= 16 && k >= 32
+}
+
+/// `dst[m x n] (+)= scale * lhs @ rhs` with both operands rounded to bf16, on `engine`;
+/// arguments as [`gemm_into`]'s.
+///
+/// # Safety
+/// As [`gemm_into`]'s, for f32.
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn bf16_gemm_into(
+    engine: Bf16Engine,
+    (m, n, k): (usize, usize, usize),
+    dst: *mut f32,
+    dst_rs: usize,
+    accumulate: bool,
+    lhs: *const f32,
+    lhs_strides: (usize, usize),
+    rhs: *const f32,
+    rhs_strides: (usize, usize),
+    scale: f32,
+    threads: usize,
+) {
+    match engine {
+        #[cfg(target_arch = "x86_64")]
+        Bf16Engine::Amx | Bf16Engine::Avx512Bf16 => {
+            use super::bf16_pack::Operand;
+            let a = Operand { ptr: lhs, row_stride: lhs_strides.0, col_stride: lhs_strides.1, rows: m, cols: k };
+            let b = Operand { ptr: rhs, row_stride: rhs_strides.0, col_stride: rhs_strides.1, rows: k, cols: n };
+            // SAFETY: the caller's contract is gemm_into's.
+            unsafe { native::gemm(engine == Bf16Engine::Amx, a, b, (dst, dst_rs), accumulate, scale, threads) }
+        }
+        // SAFETY: the caller's contract is gemm_into's.
+        _ => unsafe { emulated(m, n, k, dst, dst_rs, accumulate, lhs, lhs_strides, rhs, rhs_strides, scale, threads) },
+    }
+}
+
+/// The operands rounded to bf16 into f32 copies, multiplied by the f32 gemm.
+#[allow(clippy::too_many_arguments)]
+unsafe fn emulated(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    dst_rs: usize,
+    accumulate: bool,
+    lhs: *const f32,
+    (lhs_rs, lhs_cs): (usize, usize),
+    rhs: *const f32,
+    (rhs_rs, rhs_cs): (usize, usize),
+    scale: f32,
+    threads: usize,
+) {
+    let round = |x: f32| half::bf16::from_f32(x).to_f32();
+    // SAFETY: every (i, p) of lhs and (p, j) of rhs is inside its operand (the caller's
+    // contract).
+    let a: Vec<f32> = (0..m * k).map(|e| round(unsafe { *lhs.add((e / k) * lhs_rs + (e % k) * lhs_cs) })).collect();
+    let b: Vec<f32> = (0..k * n).map(|e| round(unsafe { *rhs.add((e / n) * rhs_rs + (e % n) * rhs_cs) })).collect();
+    // SAFETY: a and b are row-major [m, k] and [k, n]; dst is the caller's.
+    unsafe {
+        gemm_into(
+            (m, n, k),
+            dst,
+            dst_rs,
+            accumulate,
+            a.as_ptr(),
+            (k, 1),
+            b.as_ptr(),
+            (n, 1),
+            scale,
+            threads,
+            MatmulPrecision::F32,
+        )
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod native {
+    use rayon::prelude::*;
+
+    use super::super::bf16_kernels::{amx_block, avx512_block, Tiles, BLOCK};
+    use super::super::bf16_pack::{pack_rows, pack_strips, Operand};
+    use super::KC;
+
+    /// A raw pointer shared by rayon's tasks, each writing its own columns.
+    #[derive(Clone, Copy)]
+    struct Shared<T>(*mut T);
+    // SAFETY: tasks write disjoint column ranges of dst and only read the packs.
+    unsafe impl<T> Send for Shared<T> {}
+    // SAFETY: as above.
+    unsafe impl<T> Sync for Shared<T> {}
+    impl<T> Shared<T> {
+        fn get(self) -> *mut T {
+            self.0
+        }
+    }
+
+    /// One 32 x 32 block on the chosen kernel.
+    ///
+    /// # Safety
+    /// As `amx_block`'s; without tiles, AVX512-BF16 was detected.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn block_product(
+        tiles: Option<&Tiles>,
+        a: *const u16,
+        kp: usize,
+        b0: *const u16,
+        b1: *const u16,
+        c: *mut f32,
+        c_stride: usize,
+        add: bool,
+    ) {
+        // SAFETY: the caller's contract.
+        unsafe {
+            if let Some(tiles) = tiles {
+                amx_block(tiles, a, kp, b0, b1, kp, c, c_stride, add);
+            } else {
+                avx512_block(a, kp, b0, b1, kp, c, c_stride, add);
+            }
+        }
+    }
+
+    /// The blocked product: for each slice of the inner dimension, the left operand is
+    /// packed once (in parallel, 32 rows per task), then each task packs a band of the
+    /// right operand's columns and runs every row block against it, so a band stays in
+    /// cache while the rows stream past.
+    ///
+    /// # Safety
+    /// As `bf16_gemm_into`'s; `amx` only where [`super::Bf16Engine::detect`] chose AMX.
+    pub(super) unsafe fn gemm(
+        amx: bool,
+        a: Operand,
+        b: Operand,
+        (dst, dst_rs): (*mut f32, usize),
+        accumulate: bool,
+        scale: f32,
+        threads: usize,
+    ) {
+        let (m, n, k) = (a.rows, b.cols, a.cols);
+        let row_blocks = m.div_ceil(BLOCK);
+        // Bands of 32 to 128 columns, at least two per thread where the width allows.
+        let band = (n.div_ceil(2 * threads.max(1)).div_ceil(BLOCK) * BLOCK).clamp(BLOCK, 4 * BLOCK);
+        let bands = n.div_ceil(band);
+        let (a_shared, b_shared) = (Shared(a.ptr.cast_mut()), Shared(b.ptr.cast_mut()));
+        let dst = Shared(dst);
+        for p0 in (0..k).step_by(KC) {
+            let kc = KC.min(k - p0);
+            let kp = kc.div_ceil(32) * 32;
+            let add = accumulate || p0 > 0;
+            let mut a_pack = vec![0u16; row_blocks * BLOCK * kp];
+            a_pack.par_chunks_mut(BLOCK * kp).enumerate().for_each(|(block, out)| {
+                let a = Operand { ptr: a_shared.get().cast_const(), ..a };
+                // SAFETY: rows block * 32.., inner p0..p0 + kc of a (the caller's contract).
+                unsafe { pack_rows(&a, block * BLOCK, p0, kc, kp, out) };
+            });
+            let a_pack = &a_pack;
+            (0..bands).into_par_iter().for_each(|band_index| {
+                let b = Operand { ptr: b_shared.get().cast_const(), ..b };
+                let j0 = band_index * band;
+                let width = band.min(n - j0);
+                let strips = width.div_ceil(BLOCK) * 2;
+                let mut b_pack = vec![0u16; strips * kp * 16];
+                // SAFETY: inner p0..p0 + kc, columns j0.. of b.
+                unsafe { pack_strips(&b, p0, kc, j0, kp, &mut b_pack) };
+                let mut c = [0f32; BLOCK * BLOCK];
+                // SAFETY: AMX was detected (the caller's contract); nothing else in this
+                // task uses the tiles.
+                let tiles = amx.then(|| unsafe { Tiles::configure() });
+                for block in 0..row_blocks {
+                    let a_rows = a_pack[block * BLOCK * kp..].as_ptr();
+                    for pair in 0..strips / 2 {
+                        let (b0, b1) = (b_pack[2 * pair * kp * 16..].as_ptr(), b_pack[(2 * pair + 1) * kp * 16..].as_ptr());
+                        let (i0, jb) = (block * BLOCK, j0 + pair * BLOCK);
+                        let (rows, cols) = (BLOCK.min(m - i0), BLOCK.min(n - jb));
+                        // A whole unscaled block goes straight into dst (the kernel adds to
+                        // what is there); an edge or scaled one through c.
+                        let direct = rows == BLOCK && cols == BLOCK && scale == 1.0;
+                        // SAFETY: rows i0..i0 + 32, columns jb..jb + 32 of dst when direct
+                        // (a region only this band's task writes).
+                        let (out, out_stride) =
+                            if direct { (unsafe { dst.get().add(i0 * dst_rs + jb) }, dst_rs) } else { (c.as_mut_ptr(), BLOCK) };
+                        // SAFETY: 32 packed rows of kp and two packed strips, kp a multiple
+                        // of 32; out holds 32 x 32; the engine was detected.
+                        unsafe { block_product(tiles.as_ref(), a_rows, kp, b0, b1, out, out_stride, direct && add) };
+                        if direct {
+                            continue;
+                        }
+                        for (r, c_row) in c.chunks_exact(BLOCK).take(rows).enumerate() {
+                            // SAFETY: row i0 + r, columns jb..jb + cols of dst, a region
+                            // only this band's task writes.
+                            let out = unsafe { std::slice::from_raw_parts_mut(dst.get().add((i0 + r) * dst_rs + jb), cols) };
+                            if add {
+                                out.iter_mut().zip(c_row).for_each(|(o, &v)| *o += scale * v);
+                            } else {
+                                out.iter_mut().zip(c_row).for_each(|(o, &v)| *o = scale * v);
+                            }
+                        }
+                    }
+                }
+            });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
