@@ -45,20 +45,50 @@ pub(crate) struct ModelArgs {
     /// Seed of the model's random initialisation and of the data order.
     #[arg(long, default_value_t = 0)]
     pub(crate) seed: u64,
-    /// Dtype of matmuls and activations: f32, or bf16/f16 for mixed precision (parameters,
-    /// gradients, layer norms, softmax and logits stay f32). Meant for GPUs; on the CPU
-    /// half precision is slower than f32.
+    /// Precision of the matmuls: f32; bf16 (on the CPU: bf16 operands, f32 accumulation
+    /// and activations; elsewhere bf16 activations too); f16 (f16 matmuls and
+    /// activations); or auto, bf16 where the CPU multiplies bf16 natively (AMX or
+    /// AVX512-BF16), else f32. Parameters, gradients, layer norms, softmax and logits
+    /// stay f32 throughout.
     #[arg(long, default_value = "f32", value_parser = parse_compute_dtype)]
-    pub(crate) compute_dtype: DType,
+    pub(crate) compute_dtype: ComputeDtype,
 }
 
-/// `--compute-dtype`: f32, bf16 or f16.
-pub(crate) fn parse_compute_dtype(s: &str) -> std::result::Result<DType, String> {
+/// `--compute-dtype`: a precision, or `auto`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ComputeDtype {
+    /// The fastest precision the CPU supports (see [`ComputeDtype::on`]).
+    Auto,
+    /// This one.
+    Fixed(DType),
+}
+
+impl ComputeDtype {
+    /// The dtype a model on `device` computes in. `auto` takes bf16 on a CPU with AMX or
+    /// AVX512-BF16, where its step is faster than f32's and the accuracy guards bound its
+    /// error; f32 on other CPUs, where bf16 would be emulated at f32 speed, and on GPUs,
+    /// where bf16 has not been measured against f32.
+    pub(crate) fn on(self, device: &Device) -> DType {
+        match self {
+            Self::Fixed(dtype) => dtype,
+            Self::Auto => {
+                let engine = fedpo_model::ops::Bf16Engine::detect();
+                let dtype = if device.is_cpu() && engine.is_native() { DType::BF16 } else { DType::F32 };
+                tracing::info!(chose = ?dtype, bf16_engine = ?engine, cpu = device.is_cpu(), "--compute-dtype auto");
+                dtype
+            }
+        }
+    }
+}
+
+/// Parses `--compute-dtype`: f32, bf16, f16 or auto.
+pub(crate) fn parse_compute_dtype(s: &str) -> std::result::Result<ComputeDtype, String> {
     match s {
-        "f32" => Ok(DType::F32),
-        "bf16" => Ok(DType::BF16),
-        "f16" => Ok(DType::F16),
-        other => Err(format!("`{other}` is not a compute dtype; expected f32, bf16 or f16")),
+        "f32" => Ok(ComputeDtype::Fixed(DType::F32)),
+        "bf16" => Ok(ComputeDtype::Fixed(DType::BF16)),
+        "f16" => Ok(ComputeDtype::Fixed(DType::F16)),
+        "auto" => Ok(ComputeDtype::Auto),
+        other => Err(format!("`{other}` is not a compute dtype; expected f32, bf16, f16 or auto")),
     }
 }
 
@@ -191,7 +221,7 @@ impl ModelArgs {
         let spec = PolicySpec { config, lora: Some(lora), partition };
         let mut policy =
             Policy::build(spec, base.as_ref(), adapter.as_ref().map(|a| &a.tensors), self.seed, DType::F32, device)?;
-        policy.set_compute_dtype(self.compute_dtype)?;
+        policy.set_compute_dtype(self.compute_dtype.on(device))?;
         Ok((policy, tokenizer))
     }
 }

@@ -68,10 +68,9 @@ pub(crate) struct BenchArgs {
     /// On a GPU the report adds the driver's memory figures.
     #[arg(long, default_value = "cpu")]
     pub(crate) device: String,
-    /// Dtype of matmuls and activations, as `train-local --compute-dtype`: f32, or bf16/f16
-    /// for mixed precision over f32 parameters.
+    /// Precision of the matmuls, as `train-local --compute-dtype`: f32, bf16, f16 or auto.
     #[arg(long, default_value = "f32", value_parser = crate::cli::assemble::parse_compute_dtype)]
-    pub(crate) compute_dtype: DType,
+    pub(crate) compute_dtype: crate::cli::assemble::ComputeDtype,
 }
 
 /// f32 matmul GFLOP/s (best and median of 10 after 2 warm-ups) at `(m, k, n)`, through
@@ -264,7 +263,8 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
     };
     let t_build = Instant::now();
     let mut policy = Policy::build(spec, None, None, args.seed, DType::F32, &device)?;
-    policy.set_compute_dtype(args.compute_dtype)?;
+    let compute_dtype = args.compute_dtype.on(&device);
+    policy.set_compute_dtype(compute_dtype)?;
     let build_s = t_build.elapsed().as_secs_f64();
     tracing::info!(config = %if args.tiny { "tiny" } else { "distilgpt2" }, seconds = format_args!("{build_s:.2}"), "model built");
 
@@ -357,7 +357,8 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
                           "lora": step_flops.lora, "lm_head": step_flops.head },
         "achieved_gflops": flops / med / 1e9,
         "device": device_name(&device),
-        "compute_dtype": format!("{:?}", args.compute_dtype).to_lowercase(),
+        "compute_dtype": format!("{compute_dtype:?}").to_lowercase(),
+        "bf16_engine": format!("{:?}", fedpo_model::ops::Bf16Engine::detect()),
     });
     if let Some(memory) = gpu_memory(&device) {
         // the pool's peak over the timed steps, and over model building and warm-up

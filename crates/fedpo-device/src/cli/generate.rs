@@ -150,7 +150,7 @@ fn load_model(args: &GenerateArgs, model: &str, device: &Device) -> Result<Loade
         freeze_embeddings: true,
         device: args.device.clone(),
         seed: args.seed,
-        compute_dtype: DType::F32,
+        compute_dtype: crate::cli::assemble::ComputeDtype::Fixed(DType::F32),
     };
     let (policy, tokenizer) = model_args.build(device)?;
     let policy = if args.dtype == DType::F32 {

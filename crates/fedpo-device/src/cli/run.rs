@@ -80,7 +80,7 @@ pub(crate) struct RunArgs {
     /// Dtype of matmuls and activations: f32, or bf16/f16 for mixed precision (the
     /// uploaded delta and the private adapter stay f32).
     #[arg(long, default_value = "f32", value_parser = crate::cli::assemble::parse_compute_dtype)]
-    compute_dtype: candle_core::DType,
+    compute_dtype: crate::cli::assemble::ComputeDtype,
     /// The aggregator's Ed25519 public key (64 hex digits, or a file holding them, e.g.
     /// security/make-certs.sh's signing.pub): plans and results that do not verify are refused.
     #[arg(long, value_name = "HEX|FILE")]
@@ -171,6 +171,7 @@ pub(crate) fn run(args: RunArgs) -> Result<()> {
         init_adapter(init, &args.state_dir)?;
     }
     let stop = Arc::new(AtomicBool::new(false));
+    let device = parse_device(&args.device)?;
     let cfg = ParticipantConfig {
         broker,
         tls: TlsFiles { ca: args.ca, cert: args.cert, key: args.key },
@@ -181,11 +182,11 @@ pub(crate) fn run(args: RunArgs) -> Result<()> {
         heldout,
         max_len: args.max_len,
         vocab,
-        compute: parse_device(&args.device)?,
+        compute: device.clone(),
         max_memory_mib: args.max_memory,
         max_micro_batch_pairs: args.micro_batch_pairs.map(|n| n as usize),
         start_on_disk: args.start_on_disk,
-        compute_dtype: args.compute_dtype,
+        compute_dtype: args.compute_dtype.on(&device),
         trusted_key: args.trust_key.as_deref().map(TrustedKey::parse).transpose()?,
         rejoin: args.rejoin,
         reset_adapter: args.reset_adapter,

@@ -121,7 +121,7 @@ fn fit_to_memory(args: &mut TrainLocalArgs, budget_mib: u64, data: &LoadedData, 
         start_on_disk: memory::StartOnDisk::Never,
         may_freeze_embeddings: true,
         may_shorten: true,
-        kernels: StepKernels::for_run(device, args.model.compute_dtype),
+        kernels: StepKernels::for_run(device, args.model.compute_dtype.on(device)),
         config,
     };
     let plan = memory::plan(&request, budget_mib)?;
