@@ -320,11 +320,8 @@ impl Gpt2 {
     /// `compute` through candle's ops.
     pub fn set_compute_dtype(&mut self, compute: DType) {
         let bf16_matmuls = compute == DType::BF16 && self.dtype == DType::F32 && self.device.is_cpu();
-        (self.compute, self.matmuls) = if bf16_matmuls {
-            (DType::F32, ops::MatmulPrecision::Bf16)
-        } else {
-            (compute, ops::MatmulPrecision::F32)
-        };
+        (self.compute, self.matmuls) =
+            if bf16_matmuls { (DType::F32, ops::MatmulPrecision::Bf16) } else { (compute, ops::MatmulPrecision::F32) };
     }
 
     /// The matmul precision this model's passes run at.

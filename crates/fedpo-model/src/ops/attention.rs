@@ -20,10 +20,10 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Shape, Tensor, WithDType};
 use rayon::prelude::*;
 
+use super::bf16_gemm::MatmulPrecision;
 use super::fast_math::FastExp;
 use super::fork::Forks;
 use super::query_blocks::{query_blocks, QueryBlock, MAX_ROWS};
-use super::bf16_gemm::MatmulPrecision;
 use super::strided_gemm::gemm_into;
 use super::{contiguous_slice, full_precision, CResult};
 
@@ -94,7 +94,9 @@ unsafe fn matmul_into<T: WithDType>(
 ) {
     // SAFETY: the caller's contract.
     // Per-head products are below the bf16 path's size and stay f32 at any precision.
-    unsafe { gemm_into(mnk, dst, dst_rs, accumulate, lhs, lhs_strides, rhs, rhs_strides, alpha, 1, MatmulPrecision::F32) }
+    unsafe {
+        gemm_into(mnk, dst, dst_rs, accumulate, lhs, lhs_strides, rhs, rhs_strides, alpha, 1, MatmulPrecision::F32)
+    }
 }
 
 /// One head of one sequence: where its queries, keys and values start in the projection

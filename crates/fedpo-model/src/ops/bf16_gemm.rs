@@ -117,6 +117,7 @@ impl Bf16Engine {
 
 /// The inner dimension is cut into slices of this many, so a pack of the left operand
 /// never grows with it (the head's `e @ wte` runs 50,257 deep).
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 const KC: usize = 4096;
 
 /// Whether `gemm_into` should hand an `(m, n, k)` f32 product to [`bf16_gemm_into`]: at
@@ -295,7 +296,8 @@ mod native {
                 for block in 0..row_blocks {
                     let a_rows = a_pack[block * BLOCK * kp..].as_ptr();
                     for pair in 0..strips / 2 {
-                        let (b0, b1) = (b_pack[2 * pair * kp * 16..].as_ptr(), b_pack[(2 * pair + 1) * kp * 16..].as_ptr());
+                        let (b0, b1) =
+                            (b_pack[2 * pair * kp * 16..].as_ptr(), b_pack[(2 * pair + 1) * kp * 16..].as_ptr());
                         let (i0, jb) = (block * BLOCK, j0 + pair * BLOCK);
                         let (rows, cols) = (BLOCK.min(m - i0), BLOCK.min(n - jb));
                         // A whole unscaled block goes straight into dst (the kernel adds to
@@ -303,8 +305,11 @@ mod native {
                         let direct = rows == BLOCK && cols == BLOCK && scale == 1.0;
                         // SAFETY: rows i0..i0 + 32, columns jb..jb + 32 of dst when direct
                         // (a region only this band's task writes).
-                        let (out, out_stride) =
-                            if direct { (unsafe { dst.get().add(i0 * dst_rs + jb) }, dst_rs) } else { (c.as_mut_ptr(), BLOCK) };
+                        let (out, out_stride) = if direct {
+                            (unsafe { dst.get().add(i0 * dst_rs + jb) }, dst_rs)
+                        } else {
+                            (c.as_mut_ptr(), BLOCK)
+                        };
                         // SAFETY: 32 packed rows of kp and two packed strips, kp a multiple
                         // of 32; out holds 32 x 32; the engine was detected.
                         unsafe { block_product(tiles.as_ref(), a_rows, kp, b0, b1, out, out_stride, direct && add) };
@@ -314,7 +319,8 @@ mod native {
                         for (r, c_row) in c.chunks_exact(BLOCK).take(rows).enumerate() {
                             // SAFETY: row i0 + r, columns jb..jb + cols of dst, a region
                             // only this band's task writes.
-                            let out = unsafe { std::slice::from_raw_parts_mut(dst.get().add((i0 + r) * dst_rs + jb), cols) };
+                            let out =
+                                unsafe { std::slice::from_raw_parts_mut(dst.get().add((i0 + r) * dst_rs + jb), cols) };
                             if add {
                                 out.iter_mut().zip(c_row).for_each(|(o, &v)| *o += scale * v);
                             } else {

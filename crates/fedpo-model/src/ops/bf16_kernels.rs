@@ -248,8 +248,10 @@ pub(super) unsafe fn round_16(src: *const f32, dst: *mut u16) {
 #[target_feature(enable = "avx512f,avx512bf16,avx512bw")]
 pub(super) unsafe fn round_interleaved_16(lo: *const f32, hi: *const f32, dst: *mut u16) {
     // Lane 2j takes lo's j (element j of the conversion), lane 2j + 1 hi's (element 16 + j).
-    const INTERLEAVE: [i16; 32] =
-        [0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31];
+    const INTERLEAVE: [i16; 32] = [
+        0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30,
+        15, 31,
+    ];
     // SAFETY: the caller's contract.
     unsafe {
         let both: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(_mm512_loadu_ps(hi), _mm512_loadu_ps(lo)));

@@ -2,10 +2,11 @@
 //! on the way: the pack is a copy every blocked matmul makes anyway, so the conversion costs
 //! no pass of its own.
 //!
-//! The step's operands come in three layouts, each with a vector path:
-//! - row-major (`x`, `dy`, a weight `[in, out]` on the right): contiguous runs along a row;
+//! The step's operands come in three layouts, each packed along memory:
+//! - row-major (`x`, `dy`, a weight `[in, out]` on the right): runs along a row;
 //! - transposed (`x^T` on the left of a weight gradient, `w^T` on the right of `dx`):
-//!   contiguous runs along a column;
+//!   runs along a column, 32 of them at a time for the left operand (one vector per
+//!   half) and one whole column at a time for the right;
 //! - anything else (a view with two strides) element by element.
 //!
 //! Out-of-range rows, columns and inner indices are left as the zeros of a fresh buffer, so
@@ -102,31 +103,43 @@ pub(super) unsafe fn pack_rows(a: &Operand, i0: usize, p0: usize, kc: usize, kp:
 pub(super) unsafe fn pack_strips(b: &Operand, p0: usize, kc: usize, j0: usize, kp: usize, out: &mut [u16]) {
     const W: usize = 16;
     let strips = out.len() / (kp * W);
-    for s in 0..strips {
+    // Strips whose 16 columns all lie inside b.
+    let whole = (b.cols.saturating_sub(j0) / W).min(strips);
+    let mut first_left = 0;
+    if b.col_stride == 1 && whole > 0 {
+        // Row-major: each pair of rows is read once, left to right across every whole
+        // strip, so the reads run along memory rather than down a column of strips.
+        let mut p = 0;
+        while p + 2 <= kc {
+            // SAFETY: rows p0 + p and p0 + p + 1, columns j0..j0 + 16 * whole are inside b;
+            // pair-row p / 2 of strip s holds 32 u16.
+            unsafe {
+                let lo = b.ptr.add((p0 + p) * b.row_stride + j0);
+                for s in 0..whole {
+                    let dst = out.as_mut_ptr().add(s * kp * W + p * W);
+                    round_interleaved_16(lo.add(s * W), lo.add(s * W + b.row_stride), dst);
+                }
+            }
+            p += 2;
+        }
+        if p < kc {
+            for s in 0..whole {
+                for j in 0..W {
+                    // SAFETY: row p0 + p, column j0 + s * 16 + j are inside b.
+                    out[s * kp * W + p * W + 2 * j] = bits(unsafe { b.at(p0 + p, j0 + s * W + j) });
+                }
+            }
+        }
+        first_left = whole;
+    }
+    for s in first_left..strips {
         let strip = &mut out[s * kp * W..(s + 1) * kp * W];
         let first = j0 + s * W;
         let live = b.cols.saturating_sub(first).min(W);
         if live == 0 {
             continue;
         }
-        if b.col_stride == 1 && live == W {
-            let mut p = 0;
-            while p + 2 <= kc {
-                // SAFETY: rows p0 + p and p0 + p + 1, columns first..first + 16 are inside
-                // b; pair-row p / 2 of the strip holds 32 u16.
-                unsafe {
-                    let lo = b.ptr.add((p0 + p) * b.row_stride + first);
-                    round_interleaved_16(lo, lo.add(b.row_stride), strip.as_mut_ptr().add(p * W));
-                }
-                p += 2;
-            }
-            if p < kc {
-                for j in 0..W {
-                    // SAFETY: row p0 + p, column first + j are inside b.
-                    strip[p * W + 2 * j] = bits(unsafe { b.at(p0 + p, first + j) });
-                }
-            }
-        } else if b.row_stride == 1 {
+        if b.row_stride == 1 {
             // Each column's inner run is contiguous: 16 pairs round at once, their u32s
             // going one per pair-row.
             let mut run = [0u16; 32];

@@ -35,7 +35,9 @@ fn reference(
 fn every_engine_multiplies_the_rounded_operands_in_every_layout_and_at_ragged_shapes() {
     // ragged edges on every side; whole blocks, which the kernels write straight into
     // the output unless scaled; k over one inner slice (KC), so slices accumulate
-    for ((m, n, k), scale) in [((33, 47, 70), 0.5), ((64, 160, 96), 1.0), ((64, 160, 96), 0.5), ((17, 200, KC + 40), 1.0)] {
+    for ((m, n, k), scale) in
+        [((33, 47, 70), 0.5), ((64, 160, 96), 1.0), ((64, 160, 96), 0.5), ((17, 200, KC + 40), 1.0)]
+    {
         let (lhs, rhs, start) = (values(m * k, 1), values(k * n, 2), values(m * n, 3));
         for engine in Bf16Engine::available() {
             for (lhs_t, rhs_t, accumulate) in
@@ -47,13 +49,28 @@ fn every_engine_multiplies_the_rounded_operands_in_every_layout_and_at_ragged_sh
                 let mut ours = if accumulate { start.clone() } else { vec![f32::NAN; m * n] };
                 // SAFETY: the strides address [m, k] and [k, n] inside lhs and rhs; ours is [m, n].
                 unsafe {
-                    bf16_gemm_into(engine, (m, n, k), ours.as_mut_ptr(), n, accumulate, lhs.as_ptr(), ls, rhs.as_ptr(), rs, scale, 2)
+                    bf16_gemm_into(
+                        engine,
+                        (m, n, k),
+                        ours.as_mut_ptr(),
+                        n,
+                        accumulate,
+                        lhs.as_ptr(),
+                        ls,
+                        rhs.as_ptr(),
+                        rs,
+                        scale,
+                        2,
+                    )
                 };
                 for e in 0..m * n {
                     let expected = f64::from(scale) * exact[e] + if accumulate { f64::from(start[e]) } else { 0.0 };
                     let bound = 1e-5 * (magnitude[e] + f64::from(start[e].abs())) + 1e-6;
                     let err = (f64::from(ours[e]) - expected).abs();
-                    assert!(err <= bound, "{engine:?} [{m}, {n}, {k}] {lhs_t} {rhs_t} {accumulate}: element {e} off by {err}");
+                    assert!(
+                        err <= bound,
+                        "{engine:?} [{m}, {n}, {k}] {lhs_t} {rhs_t} {accumulate}: element {e} off by {err}"
+                    );
                 }
             }
         }
