@@ -260,5 +260,5 @@ fn adapter_with_a_partition_that_has_none_is_refused() {
 #[test]
 fn unknown_compute_dtype_is_refused_with_the_accepted_ones() {
     let err = train_local_error(&["--synthetic", "--compute-dtype", "f8"]);
-    assert!(err.contains("`f8` is not a compute dtype; expected f32, bf16 or f16"), "{err}");
+    assert!(err.contains("`f8` is not a compute dtype; expected f32, bf16, f16 or auto"), "{err}");
 }
