@@ -197,6 +197,19 @@ fn bench_prints_the_peer_keys_on_stdout_and_its_progress_on_stderr() {
 }
 
 #[test]
+fn compute_dtype_auto_takes_bf16_exactly_where_the_cpu_multiplies_it_natively() {
+    let args = [SMALL_BENCH, &["--steps", "1", "--warmup", "0", "--compute-dtype", "auto"]].concat();
+    let o = Command::new(env!("CARGO_BIN_EXE_fedpo-device")).args(args).env("RUST_LOG", "info").output().expect("runs");
+    assert!(o.status.success(), "{}", stderr(&o));
+    let report: Value = serde_json::from_slice(&o.stdout).unwrap();
+    let engine = fedpo_model::ops::Bf16Engine::detect();
+    let expected = if engine.is_native() { "bf16" } else { "f32" };
+    assert_eq!(report["compute_dtype"], expected, "engine {engine:?}");
+    assert_eq!(report["bf16_engine"], format!("{engine:?}"));
+    assert!(stderr(&o).contains("--compute-dtype auto"), "the choice is logged: {}", stderr(&o));
+}
+
+#[test]
 fn bench_with_gemm_reports_the_matmul_speed_and_the_compute_bound_fraction() {
     let o = fedpo_device(&[SMALL_BENCH, &["--gemm", "--steps", "1", "--warmup", "0"]].concat());
     assert!(o.status.success(), "{}", stderr(&o));

@@ -22,7 +22,7 @@ use fedpo_train::{
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 
-use crate::cli::assemble::{parse_device, tokenize, DataArgs, LoadedData, ModelArgs};
+use crate::cli::assemble::{parse_device, tokenize, ComputeDtype, DataArgs, LoadedData, ModelArgs};
 
 /// Loss and optimizer flags shared by every training command.
 #[derive(Debug, Args, Clone)]
@@ -105,6 +105,9 @@ pub(crate) struct TrainLocalArgs {
 
 /// Fits training into `--max-memory`: adjusts the model and data flags in place.
 fn fit_to_memory(args: &mut TrainLocalArgs, budget_mib: u64, data: &LoadedData, device: &Device) -> Result<()> {
+    // resolved once, here, so that `auto` chooses (and says so) once
+    let compute_dtype = args.model.compute_dtype.on(device);
+    args.model.compute_dtype = ComputeDtype::Fixed(compute_dtype);
     let config = args.model.config()?;
     let tokenizer = args.model.tokenizer()?;
     let tokens = tokenize(&data.train, &tokenizer, args.data.max_len, config.n_positions)?;
@@ -121,7 +124,7 @@ fn fit_to_memory(args: &mut TrainLocalArgs, budget_mib: u64, data: &LoadedData, 
         start_on_disk: memory::StartOnDisk::Never,
         may_freeze_embeddings: true,
         may_shorten: true,
-        kernels: StepKernels::for_run(device, args.model.compute_dtype.on(device)),
+        kernels: StepKernels::for_run(device, compute_dtype),
         config,
     };
     let plan = memory::plan(&request, budget_mib)?;
