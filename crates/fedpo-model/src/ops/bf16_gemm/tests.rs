@@ -34,10 +34,15 @@ fn reference(
 #[test]
 fn every_engine_multiplies_the_rounded_operands_in_every_layout_and_at_ragged_shapes() {
     // ragged edges on every side; whole blocks, which the kernels write straight into
-    // the output unless scaled; k over one inner slice (KC), so slices accumulate
-    for ((m, n, k), scale) in
-        [((33, 47, 70), 0.5), ((64, 160, 96), 1.0), ((64, 160, 96), 0.5), ((17, 200, KC + 40), 1.0)]
-    {
+    // the output unless scaled, over several inner runs; k over one inner slice (KC), so
+    // slices accumulate
+    for ((m, n, k), scale) in [
+        ((33, 47, 70), 0.5),
+        ((64, 160, 96), 1.0),
+        ((64, 160, 96), 0.5),
+        ((64, 64, 600), 1.0),
+        ((17, 200, KC + 40), 1.0),
+    ] {
         let (lhs, rhs, start) = (values(m * k, 1), values(k * n, 2), values(m * n, 3));
         for engine in Bf16Engine::available() {
             for (lhs_t, rhs_t, accumulate) in
