@@ -3,9 +3,9 @@
 //!
 //! The step keeps parameters, activations, layer norms, softmax, log-probabilities and the
 //! loss in f32 and rounds only the two operands of each large matmul to bf16 while packing
-//! them; products accumulate in f32. This is what PyTorch's CPU autocast does for a matmul
-//! (it also stores the activations in bf16, which this step does not: the fused kernels
-//! keep theirs in f32 and the memory they take is already a third of PyTorch's).
+//! them; products accumulate in f32. This is what PyTorch's CPU autocast does for a matmul.
+//! Autocast also stores the activations in bf16; this step does not, so the fused kernels
+//! run unchanged and only the products' inputs lose precision.
 //!
 //! Which kernel runs is decided once per process ([`Bf16Engine::detect`]):
 //! - AMX tiles (`tdpbf16ps`), where the CPU has AMX-BF16 and Linux grants the tile state;
@@ -18,8 +18,6 @@
 //! of a forward or backward pass by [`MatmulPrecision::scope`] on the thread that runs it.
 
 use std::cell::Cell;
-
-use super::strided_gemm::gemm_into;
 
 /// The precision of the operands of a model's large f32 matmuls.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -118,9 +116,9 @@ impl Bf16Engine {
 /// The inner dimension is cut into slices of this many, so a pack of the left operand
 /// never grows with it (the head's `e @ wte` runs 50,257 deep).
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-const KC: usize = 4096;
+pub(super) const KC: usize = 4096;
 
-/// Whether `gemm_into` should hand an `(m, n, k)` f32 product to [`bf16_gemm_into`]: at
+/// Whether `gemm_into` should hand an `(m, n, k)` f32 product to the bf16 engines: at
 /// bf16 precision, every product with at least a tile's 16 rows and columns and 32-deep
 /// inner dimension. Thinner ones (a LoRA factor's rank-8 side, a decoded token's single
 /// row) would be mostly padding and stay f32; so do attention's per-head products, whose
@@ -129,14 +127,26 @@ pub(super) fn takes(precision: MatmulPrecision, (m, n, k): (usize, usize, usize)
     precision == MatmulPrecision::Bf16 && m >= 16 && n >= 16 && k >= 32
 }
 
-/// `dst[m x n] (+)= scale * lhs @ rhs` with both operands rounded to bf16, on `engine`;
-/// arguments as [`gemm_into`]'s.
+/// `[rows, cols]` of an f32 operand given by strides, each element rounded to bf16
+/// (nearest, ties to even) and widened back: the emulated engine's operands, row-major.
 ///
 /// # Safety
-/// As [`gemm_into`]'s, for f32.
+/// Every `(i, j)` the strides address is inside the operand's buffer.
+pub(super) unsafe fn rounded_copy(ptr: *const f32, (rs, cs): (usize, usize), rows: usize, cols: usize) -> Vec<f32> {
+    let round = |x: f32| half::bf16::from_f32(x).to_f32();
+    // SAFETY: the caller's contract.
+    (0..rows * cols).map(|e| round(unsafe { *ptr.add((e / cols) * rs + (e % cols) * cs) })).collect()
+}
+
+/// `dst[m x n] (+)= scale * lhs @ rhs` with both operands rounded to bf16, on AMX (`amx`)
+/// or AVX512-BF16; arguments as `gemm_into`'s, which hands products here.
+///
+/// # Safety
+/// As `gemm_into`'s, for f32; the engine was detected ([`Bf16Engine::detect`]).
+#[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
-pub(super) unsafe fn bf16_gemm_into(
-    engine: Bf16Engine,
+pub(super) unsafe fn native_gemm_into(
+    amx: bool,
     (m, n, k): (usize, usize, usize),
     dst: *mut f32,
     dst_rs: usize,
@@ -148,57 +158,11 @@ pub(super) unsafe fn bf16_gemm_into(
     scale: f32,
     threads: usize,
 ) {
-    match engine {
-        #[cfg(target_arch = "x86_64")]
-        Bf16Engine::Amx | Bf16Engine::Avx512Bf16 => {
-            use super::bf16_pack::Operand;
-            let a = Operand { ptr: lhs, row_stride: lhs_strides.0, col_stride: lhs_strides.1, rows: m, cols: k };
-            let b = Operand { ptr: rhs, row_stride: rhs_strides.0, col_stride: rhs_strides.1, rows: k, cols: n };
-            // SAFETY: the caller's contract is gemm_into's.
-            unsafe { native::gemm(engine == Bf16Engine::Amx, a, b, (dst, dst_rs), accumulate, scale, threads) }
-        }
-        // SAFETY: the caller's contract is gemm_into's.
-        _ => unsafe { emulated(m, n, k, dst, dst_rs, accumulate, lhs, lhs_strides, rhs, rhs_strides, scale, threads) },
-    }
-}
-
-/// The operands rounded to bf16 into f32 copies, multiplied by the f32 gemm.
-#[allow(clippy::too_many_arguments)]
-unsafe fn emulated(
-    m: usize,
-    n: usize,
-    k: usize,
-    dst: *mut f32,
-    dst_rs: usize,
-    accumulate: bool,
-    lhs: *const f32,
-    (lhs_rs, lhs_cs): (usize, usize),
-    rhs: *const f32,
-    (rhs_rs, rhs_cs): (usize, usize),
-    scale: f32,
-    threads: usize,
-) {
-    let round = |x: f32| half::bf16::from_f32(x).to_f32();
-    // SAFETY: every (i, p) of lhs and (p, j) of rhs is inside its operand (the caller's
-    // contract).
-    let a: Vec<f32> = (0..m * k).map(|e| round(unsafe { *lhs.add((e / k) * lhs_rs + (e % k) * lhs_cs) })).collect();
-    let b: Vec<f32> = (0..k * n).map(|e| round(unsafe { *rhs.add((e / n) * rhs_rs + (e % n) * rhs_cs) })).collect();
-    // SAFETY: a and b are row-major [m, k] and [k, n]; dst is the caller's.
-    unsafe {
-        gemm_into(
-            (m, n, k),
-            dst,
-            dst_rs,
-            accumulate,
-            a.as_ptr(),
-            (k, 1),
-            b.as_ptr(),
-            (n, 1),
-            scale,
-            threads,
-            MatmulPrecision::F32,
-        )
-    }
+    use super::bf16_pack::Operand;
+    let a = Operand { ptr: lhs, row_stride: lhs_strides.0, col_stride: lhs_strides.1, rows: m, cols: k };
+    let b = Operand { ptr: rhs, row_stride: rhs_strides.0, col_stride: rhs_strides.1, rows: k, cols: n };
+    // SAFETY: the caller's contract.
+    unsafe { native::gemm(amx, a, b, (dst, dst_rs), accumulate, scale, threads) }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -253,7 +217,7 @@ mod native {
     /// cache while the rows stream past.
     ///
     /// # Safety
-    /// As `bf16_gemm_into`'s; `amx` only where [`super::Bf16Engine::detect`] chose AMX.
+    /// As `native_gemm_into`'s; `amx` only where [`super::Bf16Engine::detect`] chose AMX.
     pub(super) unsafe fn gemm(
         amx: bool,
         a: Operand,

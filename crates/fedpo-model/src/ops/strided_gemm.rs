@@ -11,13 +11,13 @@ use candle_core::{CpuStorage, CustomOp2, DType, InplaceOp3, Layout, Shape, Tenso
 
 use rayon::prelude::*;
 
-use super::bf16_gemm::{self, bf16_gemm_into, Bf16Engine, MatmulPrecision};
+use super::bf16_gemm::{self, Bf16Engine, MatmulPrecision};
 use super::{contiguous_slice, CResult};
 
 /// `dst[m x n] = scale * lhs @ rhs`, or with `accumulate`, `dst += scale * lhs @ rhs`;
 /// each operand is a pointer with its (row, column) strides. `threads > 1` splits the work
 /// over rayon (see [`split_over_threads`]). An f32 product at `MatmulPrecision::Bf16`
-/// large enough to gain goes to [`bf16_gemm_into`] instead.
+/// large enough to gain goes to [`bf16_product`] instead.
 ///
 /// # Safety
 /// Every element the strides address must lie inside its buffer, `dst` must not alias the
@@ -39,7 +39,7 @@ pub(super) unsafe fn gemm_into<T: WithDType>(
     if T::DTYPE == DType::F32 && bf16_gemm::takes(precision, (m, n, k)) {
         // SAFETY: T is f32 (checked), so the casts are identities; the contract is ours.
         unsafe {
-            bf16_gemm_into(
+            bf16_product(
                 Bf16Engine::detect(),
                 (m, n, k),
                 dst.cast(),
@@ -145,6 +145,72 @@ pub(super) unsafe fn gemm_into<T: WithDType>(
                     }
                 }
             });
+        }
+    }
+}
+
+/// `dst[m x n] (+)= scale * lhs @ rhs` with both operands rounded to bf16, on `engine`:
+/// the packed kernels where the CPU has them, else the rounded operands through this
+/// file's f32 gemm (the same numbers at f32's speed). Arguments as [`gemm_into`]'s.
+///
+/// # Safety
+/// As [`gemm_into`]'s, for f32; `engine` is one [`Bf16Engine::available`] lists.
+#[allow(clippy::too_many_arguments)]
+unsafe fn bf16_product(
+    engine: Bf16Engine,
+    (m, n, k): (usize, usize, usize),
+    dst: *mut f32,
+    dst_rs: usize,
+    accumulate: bool,
+    lhs: *const f32,
+    lhs_strides: (usize, usize),
+    rhs: *const f32,
+    rhs_strides: (usize, usize),
+    scale: f32,
+    threads: usize,
+) {
+    match engine {
+        #[cfg(target_arch = "x86_64")]
+        Bf16Engine::Amx | Bf16Engine::Avx512Bf16 => {
+            let amx = engine == Bf16Engine::Amx;
+            // SAFETY: the caller's contract; the engine is one the CPU runs.
+            unsafe {
+                bf16_gemm::native_gemm_into(
+                    amx,
+                    (m, n, k),
+                    dst,
+                    dst_rs,
+                    accumulate,
+                    lhs,
+                    lhs_strides,
+                    rhs,
+                    rhs_strides,
+                    scale,
+                    threads,
+                )
+            }
+        }
+        _ => {
+            // SAFETY: the operands' strides address [m, k] and [k, n] (the caller's contract).
+            let (a, b) = unsafe {
+                (bf16_gemm::rounded_copy(lhs, lhs_strides, m, k), bf16_gemm::rounded_copy(rhs, rhs_strides, k, n))
+            };
+            // SAFETY: a and b are row-major [m, k] and [k, n]; dst is the caller's.
+            unsafe {
+                gemm_into(
+                    (m, n, k),
+                    dst,
+                    dst_rs,
+                    accumulate,
+                    a.as_ptr(),
+                    (k, 1),
+                    b.as_ptr(),
+                    (n, 1),
+                    scale,
+                    threads,
+                    MatmulPrecision::F32,
+                )
+            }
         }
     }
 }
@@ -526,6 +592,9 @@ impl InplaceOp3 for AddMatmulTn {
         }
     }
 }
+
+#[cfg(test)]
+mod bf16_tests;
 
 #[cfg(test)]
 mod tests {
