@@ -77,8 +77,8 @@ pub(crate) struct RunArgs {
     /// cuda[:N] or metal.
     #[arg(long, default_value = "auto")]
     device: String,
-    /// Dtype of matmuls and activations: f32, or bf16/f16 for mixed precision (the
-    /// uploaded delta and the private adapter stay f32).
+    /// Precision of the matmuls, as `train-local --compute-dtype`: f32, bf16, f16 or auto
+    /// (the uploaded delta and the private adapter stay f32).
     #[arg(long, default_value = "f32", value_parser = crate::cli::assemble::parse_compute_dtype)]
     compute_dtype: crate::cli::assemble::ComputeDtype,
     /// The aggregator's Ed25519 public key (64 hex digits, or a file holding them, e.g.
