@@ -222,6 +222,7 @@ fn synthetic_device(url: &BrokerUrl, topics: &Topics, id: &str, orders: Receiver
         memory_mb: 0,
         instance: rand::random::<u64>().max(1),
         connection: 1,
+        model: Vec::new(),
         tag: Vec::new(),
     })
     .encode();

@@ -64,6 +64,7 @@ fn only_listed_logins_connect_and_neither_made_up_devices_nor_forged_hellos_and_
             memory_mb: 0,
             instance: 1,
             connection: 1,
+            model: Vec::new(),
             tag: Vec::new(),
         };
         attacker.publish(&topics.up(&id), Message::Hello(hello).encode()).unwrap();
@@ -98,6 +99,7 @@ fn only_listed_logins_connect_and_neither_made_up_devices_nor_forged_hellos_and_
             memory_mb: 0,
             instance,
             connection: 1,
+            model: Vec::new(),
             tag: Vec::new(),
         };
         attacker.publish(&topics.up("dev-0"), Message::Hello(hello).encode()).unwrap();

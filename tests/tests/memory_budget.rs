@@ -59,6 +59,7 @@ fn announce_until_the_device_leaves(
         signature: Vec::new(),
         secagg: None,
         update_codec: Default::default(),
+        downlink: None,
         sender_epoch: 0,
         job: job.into(),
         run: 1,

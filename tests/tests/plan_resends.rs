@@ -66,6 +66,7 @@ fn a_plan_resent_for_others_does_not_make_a_device_upload_twice_but_a_new_epoch_
         signature: Vec::new(),
         secagg: None,
         update_codec: Default::default(),
+        downlink: None,
         sender_epoch: epoch,
         job: "resend".into(),
         run: 1,

@@ -343,6 +343,7 @@ impl Aggregator {
             signature: Vec::new(), // signed as published
             secagg: secure.as_ref().map(|s| s.settings),
             update_codec: self.job.update_codec,
+            downlink: None,
             sender_epoch: self.epoch,
             job: self.job.job.clone(),
             run: self.state.run,

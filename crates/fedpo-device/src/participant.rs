@@ -265,6 +265,7 @@ impl Participant {
             memory_mb: self.cfg.max_memory_mib.or_else(fedpo_process::usage::available_mib).unwrap_or(0),
             instance: self.instance,
             connection: self.session.connection(),
+            model: Vec::new(),
             tag: Vec::new(),
         };
         self.send(&Message::Hello(tagged(hello, &self.cfg.broker)))

@@ -57,6 +57,7 @@ fn main() -> std::io::Result<()> {
         signature: Vec::new(),
         secagg: None,
         update_codec: UpdateCodec::TopK(0.05),
+        downlink: None,
         sender_epoch: 0x5eed,
         job: "lab".into(),
         run: 0x7e57,
@@ -68,6 +69,7 @@ fn main() -> std::io::Result<()> {
         memory_mb: 3000,
         instance: 7,
         connection: 1,
+        model: Vec::new(),
         tag: Vec::new(),
     });
     let chunk_messages: Vec<Vec<u8>> = chunks.into_iter().map(|c| Message::Chunk(c).encode()).collect();

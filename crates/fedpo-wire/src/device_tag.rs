@@ -78,6 +78,7 @@ mod tests {
             memory_mb: 0,
             instance: 9,
             connection: 1,
+            model: Vec::new(),
             tag: Vec::new(),
         };
         assert!(!verify(&hello, "s3cret"), "an untagged hello");

@@ -81,6 +81,34 @@ impl TensorPayload {
     }
 }
 
+/// Where each tensor of an all-f32 payload keeps its values in `bytes`: name, shape and
+/// byte range, checked against `limits` and against each tensor's shape. What a downlink
+/// delta is added onto in place ([`crate::apply_delta`]).
+pub(crate) fn f32_ranges(bytes: &[u8], limits: &Limits) -> Result<Vec<(String, Vec<u64>, std::ops::Range<usize>)>> {
+    TensorPayload::check_size(bytes.len(), limits)?;
+    let view: PayloadView<'_> = serde_cbor::from_slice(bytes).map_err(|e| WireError::Malformed(e.to_string()))?;
+    check_count(view.tensors.len(), limits)?;
+    let start = bytes.as_ptr() as usize;
+    view.tensors
+        .into_iter()
+        .map(|t| {
+            if t.dtype != WireDType::F32 {
+                return Err(WireError::Malformed(format!("tensor `{}` is {}, not f32", t.name, t.dtype)));
+            }
+            if crate::wire_tensor::byte_bounds(&t.shape, WireDType::F32) != Some((t.data.len() as u64, t.data.len() as u64)) {
+                return Err(WireError::Malformed(format!(
+                    "tensor `{}` holds {} bytes, which its shape {:?} does not account for",
+                    t.name,
+                    t.data.len(),
+                    t.shape
+                )));
+            }
+            let offset = t.data.as_ptr() as usize - start;
+            Ok((t.name, t.shape, offset..offset + t.data.len()))
+        })
+        .collect()
+}
+
 fn check_count(count: usize, limits: &Limits) -> Result<()> {
     if count > limits.max_tensors {
         return Err(WireError::TooManyTensors { count, max: limits.max_tensors });

@@ -38,6 +38,11 @@ pub struct DeviceHello {
     /// was offline a while, so whatever was published to it meanwhile may be lost.
     #[serde(default)]
     pub connection: u32,
+    /// Digest of the full model the device holds from an earlier round (empty: none), so
+    /// that a compressed downlink sends it deltas against that model
+    /// ([`crate::Downlink`]).
+    #[serde(default, with = "serde_bytes")]
+    pub model: Vec<u8>,
     /// HMAC of the rest under the device's broker password, where it has one (see
     /// [`crate::device_tag`]); empty otherwise.
     #[serde(default, with = "serde_bytes")]
@@ -72,6 +77,11 @@ pub struct RoundDeclined {
     pub round: u64,
     /// Why, for the logs and the round's record.
     pub reason: String,
+    /// The round's downlink deltas did not apply to the model the device holds (it holds
+    /// none, another, or the result did not verify): its next plan must carry the whole
+    /// model.
+    #[serde(default)]
+    pub needs_model: bool,
 }
 
 impl DeviceBye {
@@ -104,7 +114,7 @@ impl DeviceBye {
 impl RoundDeclined {
     /// A decline whose reason fits the wire (see [`fit_reason`]).
     pub fn new(device: impl Into<String>, round: u64, reason: &str) -> Self {
-        Self { device: device.into(), round, reason: fit_reason(reason) }
+        Self { device: device.into(), round, reason: fit_reason(reason), needs_model: false }
     }
 }
 
@@ -211,6 +221,10 @@ pub struct RoundPlan {
     /// that follow a later one.
     #[serde(default)]
     pub run: u64,
+    /// The compressed downlink: when present, `global_model` (and the sections its steps
+    /// name) carry deltas against models devices hold, not the model itself.
+    #[serde(default)]
+    pub downlink: Option<crate::downlink::Downlink>,
 }
 
 /// What a device measured in its local round.
@@ -513,6 +527,7 @@ impl Message {
             Self::Hello(h) => {
                 check_name("device", &h.device, limits)?;
                 check_name("backend", &h.backend, limits)?;
+                check_digest_len("model", &h.model, true)?;
                 check_tag_len(&h.tag)
             }
             Self::Plan(p) => {
@@ -536,6 +551,9 @@ impl Message {
                 check_signature_len(&p.signature)?;
                 if let Some(secagg) = &p.secagg {
                     secagg.validate()?;
+                }
+                if let Some(downlink) = &p.downlink {
+                    downlink.validate(&p.sections)?;
                 }
                 p.global_model.validate(limits)
             }
@@ -583,6 +601,14 @@ impl Message {
 pub const MAX_SECTIONS: usize = 8;
 
 /// Checks a message's section table: bounded, named within limits, ids distinct.
+/// A digest field: [`DIGEST_BYTES`] long, or empty where `may_be_empty`.
+pub(crate) fn check_digest_len(field: &'static str, digest: &[u8], may_be_empty: bool) -> Result<()> {
+    if digest.len() == DIGEST_BYTES || (may_be_empty && digest.is_empty()) {
+        return Ok(());
+    }
+    Err(WireError::InvalidField { field, reason: format!("{} bytes, expected {DIGEST_BYTES}", digest.len()) })
+}
+
 pub fn check_sections(main: &Manifest, sections: &BTreeMap<String, Manifest>, limits: &Limits) -> Result<()> {
     if sections.len() > MAX_SECTIONS {
         return Err(WireError::InvalidField {

@@ -202,6 +202,7 @@ MC4CAQAwBQYDK2VwBCIEIIcSE7MhiSE7IWxuP8sbDD87cpHdl64u81Gdu9NQyFIE
             signature: Vec::new(),
             secagg: None,
             update_codec: Default::default(),
+            downlink: None,
             sender_epoch: 7,
             job: "lab".into(),
             run: 42,

@@ -63,6 +63,18 @@ pub trait ToWire {
     fn wire_values(&self) -> &[f32];
 }
 
+impl<T: ToWire + ?Sized> ToWire for &T {
+    fn wire_name(&self) -> &str {
+        (**self).wire_name()
+    }
+    fn wire_shape(&self) -> Vec<u64> {
+        (**self).wire_shape()
+    }
+    fn wire_values(&self) -> &[f32] {
+        (**self).wire_values()
+    }
+}
+
 /// The name of a secure-aggregation input's one tensor.
 pub const MASKED_TENSOR: &str = "secagg.masked";
 

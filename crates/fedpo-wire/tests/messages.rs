@@ -48,6 +48,7 @@ fn arb_message() -> impl Strategy<Value = Message> {
                 memory_mb,
                 instance,
                 connection,
+                model: Vec::new(),
                 tag: Vec::new(),
             })
         ),
@@ -89,6 +90,11 @@ fn arb_message() -> impl Strategy<Value = Message> {
                         signature,
                         secagg,
                         update_codec,
+                        downlink: (round % 3 == 0).then(|| Downlink {
+                            codec: update_codec,
+                            steps: vec![DeltaStep { base: vec![round as u8; 32], section: String::new() }],
+                            model: vec![7; 32],
+                        }),
                         sender_epoch: round.rotate_left(17),
                         job: "lab".into(),
                         run: round.rotate_left(29),
@@ -146,7 +152,8 @@ fn arb_message() -> impl Strategy<Value = Message> {
         (name(), any::<u64>(), "[ -~]{0,80}").prop_map(|(device, round, reason)| Message::Declined(RoundDeclined {
             device,
             round,
-            reason
+            reason,
+            needs_model: round % 2 == 0,
         })),
     ]
 }
@@ -248,6 +255,7 @@ fn unknown_protocol_version_is_refused_naming_both_versions() {
         memory_mb: 1,
         instance: 1,
         connection: 1,
+        model: Vec::new(),
         tag: Vec::new(),
     });
     let bytes = serde_cbor::to_vec(&Future { version: 9, message: hello }).unwrap();
@@ -290,6 +298,7 @@ fn plan_with_non_finite_learning_rate_is_refused() {
         signature: Vec::new(),
         secagg: None,
         update_codec: Default::default(),
+        downlink: None,
         sender_epoch: 0,
         job: "lab".into(),
         run: 1,
@@ -311,6 +320,7 @@ fn plan_with_an_oversized_model_spec_is_refused_naming_the_field() {
         signature: Vec::new(),
         secagg: None,
         update_codec: Default::default(),
+        downlink: None,
         sender_epoch: 0,
         job: "lab".into(),
         run: 1,
@@ -361,6 +371,7 @@ fn decoding_in_place_refuses_and_accepts_what_decoding_does() {
         memory_mb: 512,
         instance: 1,
         connection: 1,
+        model: Vec::new(),
         tag: Vec::new(),
     });
     let chunk =

@@ -78,6 +78,7 @@ impl FakeDevice {
             memory_mb: 0,
             instance: self.instance,
             connection: 1,
+            model: Vec::new(),
             tag: Vec::new(),
         };
         if let Some(password) = &self.password {

@@ -33,6 +33,7 @@ pub(crate) fn plan_announcing(model_bytes: u64, section_bytes: Option<u64>) -> R
         signature: Vec::new(),
         secagg: None,
         update_codec: UpdateCodec::F32,
+        downlink: None,
         sender_epoch: 1,
         job: "lab".into(),
         run: 1,
