@@ -15,6 +15,7 @@ mod checkpoint;
 mod combine;
 mod combined_update;
 mod diagnostics;
+mod downlink;
 mod experiment;
 mod fleet_bench;
 mod global_model;
