@@ -37,6 +37,20 @@ pub(crate) struct DeviceRecord {
     /// The connection number of its last hello.
     #[serde(default)]
     pub(crate) connection: u32,
+    /// Digest (hex) of the whole model it holds, as its hello said or its last update
+    /// showed; empty: none known. The compressed downlink sends it deltas from that model.
+    #[serde(default)]
+    pub(crate) holds: String,
+}
+
+/// The compressed downlink's public model, in a job that has one.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub(crate) struct DownlinkRecord {
+    /// Digest (hex) of the public model as a whole payload, frozen tensors included.
+    pub(crate) public_digest: String,
+    /// The checkpoint file holding its shared tensors; set by [`CheckpointDir::save`].
+    #[serde(default)]
+    pub(crate) public_file: String,
 }
 
 /// Everything but the model needed to continue a job.
@@ -72,11 +86,16 @@ pub(crate) struct ServerState {
     /// [`CheckpointDir::save`]. Empty in states from before the slots: `global.safetensors`.
     #[serde(default)]
     pub(crate) model_file: String,
+    /// The compressed downlink's public model, once one went out (`--downlink-codec`).
+    #[serde(default)]
+    pub(crate) downlink: Option<DownlinkRecord>,
 }
 
 /// The two model slots, and the name every reader opens.
 const SLOTS: [&str; 2] = ["global-a.safetensors", "global-b.safetensors"];
 const LATEST: &str = "global.safetensors";
+/// The public model's slots, one beside each model slot.
+const PUBLIC_SLOTS: [&str; 2] = ["public-a.safetensors", "public-b.safetensors"];
 
 pub(crate) const STATE_FORMAT: &str = "fedpo-server-state/2";
 /// States written before models were named by their BLAKE3 digest: the same fields, with
@@ -115,16 +134,27 @@ impl CheckpointDir {
     }
 
     /// Saves a round: whole on return (a killed process resumes from it), on disk once
-    /// [`CheckpointDir::wait_durable`] returns or the next save starts.
-    pub(crate) fn save(&mut self, model: &GlobalModel, state: &ServerState) -> Result<()> {
+    /// [`CheckpointDir::wait_durable`] returns or the next save starts. `public`: the
+    /// downlink's public model, which `state.downlink` describes.
+    pub(crate) fn save(&mut self, model: &GlobalModel, state: &ServerState, public: Option<&GlobalModel>) -> Result<()> {
         // The slot about to be rewritten belongs to the state before the current one; the
         // current pair must be on disk before that state is given up.
         self.wait_durable()?;
         std::fs::create_dir_all(&self.dir).with_context(|| format!("creating {}", self.dir.display()))?;
-        let slot = if self.current == Some(SLOTS[0]) { SLOTS[1] } else { SLOTS[0] };
+        let index = usize::from(self.current == Some(SLOTS[0]));
+        let slot = SLOTS[index];
         let slot_path = self.dir.join(slot);
         model.overwrite_file(&slot_path)?;
-        let record = ServerState { model_file: slot.to_string(), ..state.clone() };
+        let mut record = ServerState { model_file: slot.to_string(), ..state.clone() };
+        let mut files = vec![slot_path];
+        if let (Some(public), Some(downlink)) = (public, record.downlink.as_mut()) {
+            let path = self.dir.join(PUBLIC_SLOTS[index]);
+            public.overwrite_file(&path)?;
+            downlink.public_file = PUBLIC_SLOTS[index].to_string();
+            files.push(path);
+        } else {
+            record.downlink = None;
+        }
         let tmp = self.dir.join(".state.cbor.tmp");
         let bytes = serde_cbor::to_vec(&record).context("encoding server state")?;
         std::fs::write(&tmp, bytes).with_context(|| format!("writing {}", tmp.display()))?;
@@ -138,7 +168,8 @@ impl CheckpointDir {
         std::fs::rename(&tmp, &path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
         self.current = Some(slot);
         link_latest(&self.dir, slot)?;
-        let (dir, files) = (self.dir.clone(), [slot_path, path]);
+        files.push(path);
+        let dir = self.dir.clone();
         let sync = move || -> std::io::Result<()> {
             for f in &files {
                 std::fs::File::open(f)?.sync_all()?;
@@ -188,6 +219,31 @@ impl CheckpointDir {
             }
         }
         bail!("no usable checkpoint in {}: {}", self.dir.display(), problems.join("; "))
+    }
+
+    /// The downlink's public model `state` names, checked against its digest with
+    /// `global`'s frozen tensors. `None`, with a warning, when there is none or it does not
+    /// check out: every device then gets the whole model next round, as after a restart.
+    pub(crate) fn load_public(&self, state: &ServerState, global: &GlobalModel) -> Option<GlobalModel> {
+        let record = state.downlink.as_ref()?;
+        let load = || -> Result<GlobalModel> {
+            let name = PUBLIC_SLOTS.iter().find(|s| **s == record.public_file).with_context(|| {
+                format!("the state names public model file `{}`, which is not a slot", record.public_file)
+            })?;
+            let public = GlobalModel::load(&self.dir.join(name))?;
+            let found = hex::encode(crate::downlink::public_digest(global, &public));
+            if found != record.public_digest {
+                bail!("{name} has digest {found}, and the state names {}", record.public_digest);
+            }
+            Ok(public)
+        };
+        match load() {
+            Ok(public) => Some(public),
+            Err(e) => {
+                tracing::warn!(error = %format!("{e:#}"), "the downlink's public model is unusable; the next round sends the whole model");
+                None
+            }
+        }
     }
 
     /// A state and the model it names, if that model is there and has its hash.
@@ -278,7 +334,7 @@ mod tests {
             global_digest: model.digest_hex(),
             devices: BTreeMap::from([(
                 "dev-0".into(),
-                DeviceRecord { pairs: 7, backend: "cpu".into(), online: true, connection: 2 },
+                DeviceRecord { pairs: 7, backend: "cpu".into(), online: true, connection: 2, holds: "ab".into() },
             )]),
             strategy: "fedavg".into(),
             strategy_state: vec![1, 2, 3],
@@ -287,6 +343,7 @@ mod tests {
             client_term_state: vec![4, 5],
             privacy: None,
             model_file: String::new(),
+            downlink: None,
         }
     }
 
@@ -294,8 +351,8 @@ mod tests {
     fn two_rounds(dir: &Path) -> (CheckpointDir, GlobalModel, GlobalModel) {
         let mut ckpt = CheckpointDir::new(dir);
         let (round2, round3) = (model(0.25), model(0.5));
-        ckpt.save(&round2, &state(&round2, 2)).unwrap();
-        ckpt.save(&round3, &state(&round3, 3)).unwrap();
+        ckpt.save(&round2, &state(&round2, 2), None).unwrap();
+        ckpt.save(&round3, &state(&round3, 3), None).unwrap();
         ckpt.wait_durable().unwrap();
         (ckpt, round2, round3)
     }
@@ -309,7 +366,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mut ckpt = CheckpointDir::new(dir.path());
         let m = model(0.5);
-        ckpt.save(&m, &state(&m, 3)).unwrap();
+        ckpt.save(&m, &state(&m, 3), None).unwrap();
         let (back, st) = CheckpointDir::new(dir.path()).load().unwrap();
         assert_eq!(back.tensors, m.tensors, "values, shapes, roles and payload order survive");
         assert_eq!(back.digest_hex(), m.digest_hex());
@@ -326,7 +383,7 @@ mod tests {
         assert_eq!(GlobalModel::load(&ckpt.dir.join(SLOTS[1])).unwrap().tensors, round3.tensors);
         assert_eq!(GlobalModel::load(&ckpt.model_path()).unwrap().tensors, round3.tensors);
         let round4 = model(0.75);
-        ckpt.save(&round4, &state(&round4, 4)).unwrap();
+        ckpt.save(&round4, &state(&round4, 4), None).unwrap();
         assert_eq!(GlobalModel::load(&ckpt.model_path()).unwrap().tensors, round4.tensors, "slot a again");
         let mut names: Vec<String> =
             std::fs::read_dir(&ckpt.dir).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
@@ -357,7 +414,7 @@ mod tests {
         assert_eq!(st.round, 3, "round 3's state, kept, names slot b");
         assert!(resumed.state_path().exists(), "the kept state is current again");
         // The resumed job's next save rewrites slot a, not the slot round 3 lives in.
-        resumed.save(&round4, &state(&round4, 4)).unwrap();
+        resumed.save(&round4, &state(&round4, 4), None).unwrap();
         resumed.wait_durable().unwrap();
         assert_eq!(GlobalModel::load(&resumed.dir.join(SLOTS[1])).unwrap().digest_hex(), st.global_digest);
         assert_eq!(CheckpointDir::new(dir.path()).load().unwrap().1.round, 4);
@@ -410,7 +467,7 @@ mod tests {
         std::fs::write(ckpt.state_path(), serde_cbor::to_vec(&state(&m, 3)).unwrap()).unwrap();
         let mut resumed = CheckpointDir::new(dir.path());
         assert_eq!(resumed.load().unwrap().0.tensors, m.tensors);
-        resumed.save(&m, &state(&m, 4)).unwrap(); // into slot a, relinking the latest name
+        resumed.save(&m, &state(&m, 4), None).unwrap(); // into slot a, relinking the latest name
         assert_eq!(CheckpointDir::new(dir.path()).load().unwrap().1.round, 4);
     }
 
@@ -446,5 +503,31 @@ mod tests {
         std::fs::write(ckpt.state_path(), format1_state(&model(0.9), 3)).unwrap();
         let err = CheckpointDir::new(dir.path()).load().unwrap_err().to_string();
         assert!(err.contains("SHA-256") && err.contains(&legacy_sha256_hex(&m)), "{err}");
+    }
+
+    #[test]
+    fn the_downlinks_public_model_resumes_with_its_slot_and_a_damaged_one_is_dropped() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut ckpt = CheckpointDir::new(dir.path());
+        let global = model(0.5);
+        let public = GlobalModel::new(global.spec.clone(), vec![GlobalTensor { values: vec![0.4, -0.4], ..global.tensors[0].clone() }]);
+        let digest = hex::encode(crate::downlink::public_digest(&global, &public));
+        let with_public = |round| ServerState {
+            downlink: Some(DownlinkRecord { public_digest: digest.clone(), public_file: String::new() }),
+            ..state(&global, round)
+        };
+        ckpt.save(&global, &with_public(3), Some(&public)).unwrap();
+        ckpt.save(&global, &with_public(4), Some(&public)).unwrap();
+        ckpt.wait_durable().unwrap();
+        let (back, st) = CheckpointDir::new(dir.path()).load().unwrap();
+        assert_eq!(st.downlink.as_ref().unwrap().public_file, PUBLIC_SLOTS[1], "beside model slot b");
+        assert_eq!(ckpt.load_public(&st, &back).unwrap().tensors, public.tensors);
+        assert!(ckpt.load_public(&state(&global, 4), &back).is_none(), "a state without a downlink has none");
+        let mut wrong = st.clone();
+        wrong.downlink.as_mut().unwrap().public_digest = "00".repeat(32);
+        assert!(ckpt.load_public(&wrong, &back).is_none(), "a public model that does not match its digest is dropped");
+        ckpt.save(&global, &with_public(5), None).unwrap();
+        let (_, st) = CheckpointDir::new(dir.path()).load().unwrap();
+        assert_eq!(st.downlink, None, "a save without the public model records none");
     }
 }

@@ -20,6 +20,28 @@ use fedpo_wire::{DeltaStep, Downlink, EncodedPayload, TensorPayload, UpdateCodec
 
 use crate::global_model::{GlobalModel, GlobalTensor};
 
+/// The largest top-k fraction a downlink delta may keep: a sparse entry is 8 bytes
+/// (index and value), so past half the entries it is larger than the f32 model.
+pub(crate) const MAX_TOPK_FRACTION: f32 = 0.5;
+
+/// `--downlink-codec`: the whole model every round, or deltas in a codec.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) enum DownlinkCodec {
+    Full,
+    Delta(UpdateCodec),
+}
+
+impl std::str::FromStr for DownlinkCodec {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s == "full" {
+            return Ok(Self::Full);
+        }
+        s.parse().map(Self::Delta).map_err(|e: String| format!("{e}, or full"))
+    }
+}
+
 /// The most steps a chain keeps.
 pub(crate) const MAX_STEPS: usize = 8;
 

@@ -143,6 +143,13 @@ pub(crate) struct JobArgs {
     /// is kept on the device and sent in later rounds).
     #[arg(long, value_name = "CODEC", default_value = "f32")]
     pub(crate) update_codec: fedpo_wire::UpdateCodec,
+    /// How the global model goes down: `full` (the whole model in f32 every round), or a
+    /// codec (f32, bf16, f16, int8, topk:F with F at most 0.5): each round a delta of the
+    /// shared tensors against the model the devices hold, with the aggregator's own error
+    /// feedback; frozen tensors go down once [default: the update codec; full with
+    /// --update-codec f32 or a top-k above 0.5].
+    #[arg(long, value_name = "CODEC")]
+    pub(crate) downlink_codec: Option<crate::downlink::DownlinkCodec>,
     /// Secure aggregation (pairwise masking, Bonawitz et al. 2017): devices upload masked
     /// fixed-point updates and the aggregator learns only their pair-weighted sum, even
     /// if devices drop out after the key exchange.
@@ -199,7 +206,29 @@ impl JobArgs {
         }
     }
 
+    /// The downlink's delta codec; `None`: the whole model every round.
+    pub(crate) fn downlink(&self) -> Option<fedpo_wire::UpdateCodec> {
+        use crate::downlink::DownlinkCodec;
+        match self.downlink_codec {
+            Some(DownlinkCodec::Full) => None,
+            Some(DownlinkCodec::Delta(codec)) => Some(codec),
+            None => match self.update_codec {
+                fedpo_wire::UpdateCodec::F32 => None,
+                fedpo_wire::UpdateCodec::TopK(f) if f > crate::downlink::MAX_TOPK_FRACTION => None,
+                codec => Some(codec),
+            },
+        }
+    }
+
     pub(crate) fn validate(&self) -> Result<()> {
+        if let Some(crate::downlink::DownlinkCodec::Delta(fedpo_wire::UpdateCodec::TopK(f))) = self.downlink_codec {
+            if f > crate::downlink::MAX_TOPK_FRACTION {
+                bail!(
+                    "--downlink-codec topk:{f}: a delta of more than topk:{} takes more bytes than the whole model; use full or int8",
+                    crate::downlink::MAX_TOPK_FRACTION
+                );
+            }
+        }
         if self.rounds == 0 {
             bail!("--rounds must be at least 1: a job trains, then evaluates the model it trained");
         }

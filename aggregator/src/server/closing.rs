@@ -8,7 +8,9 @@ use fedpo_wire::{RoundResult, UpdateMetrics};
 
 use super::{Aggregator, OpenRound};
 use crate::combined_update::CombinedUpdate;
+use crate::checkpoint::DownlinkRecord;
 use crate::diagnostics::Diagnostics;
+use crate::downlink::DownlinkStream;
 use crate::metrics::{mean, RoundRecord};
 
 impl Aggregator {
@@ -47,6 +49,13 @@ impl Aggregator {
             rejected: open.collector.rejected().clone(),
             ..RoundRecord::default()
         };
+        // Each device that reported trained from the round's model: it holds it now.
+        let model = hex::encode(open.plan.model_digest());
+        for device in &participants {
+            if let Some(record) = self.state.devices.get_mut(device) {
+                record.holds.clone_from(&model);
+            }
+        }
         self.state.bytes_up += open.bytes_up;
         self.state.bytes_down += open.bytes_down;
         if !open.collector.evaluation() {
@@ -111,7 +120,12 @@ impl Aggregator {
             let encoded_at = Instant::now();
             self.state.strategy_state = self.strategy.state()?;
             self.state.client_term_state = self.client_term.state()?;
-            self.checkpoints.save(&self.global, &self.state)?;
+            let public = self.downlink.as_ref().and_then(DownlinkStream::public);
+            self.state.downlink = self.downlink.as_ref().filter(|s| s.public().is_some()).map(|s| DownlinkRecord {
+                public_digest: hex::encode(s.digest()),
+                public_file: String::new(),
+            });
+            self.checkpoints.save(&self.global, &self.state, public)?;
             tracing::debug!(
                 aggregate_s = format_args!("{:.3}", (aggregated - closing).as_secs_f64()),
                 encode_s = format_args!("{:.3}", (encoded_at - aggregated).as_secs_f64()),

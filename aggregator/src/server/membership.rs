@@ -132,7 +132,8 @@ impl Aggregator {
             tracing::info!(%device, pairs = h.pairs, backend = %h.backend, "device registered");
         }
         self.farewells.remove(&device);
-        let record = DeviceRecord { pairs: h.pairs, backend: h.backend, online: true, connection: h.connection };
+        let holds = hex::encode(&h.model);
+        let record = DeviceRecord { pairs: h.pairs, backend: h.backend, online: true, connection: h.connection, holds };
         self.state.devices.insert(device.clone(), record);
         if let Some(open) = open {
             if open.collector.asks_again(&device, reconnected, Instant::now()) {

@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use fedpo_transport::{LinkEvent, MqttLink, Topics, WarnThrottle};
 use fedpo_wire::{
-    keys, split_payload, Bundle, EncodedPayload, Hyperparameters, Limits, Message, RoundPlan, RoundResult, Signer,
-    TransferChunk, Update, DEFAULT_CHUNK_BYTES,
+    keys, split_payload, Bundle, EncodedPayload, Hyperparameters, Limits, Manifest, Message, RoundPlan, RoundResult,
+    Signer, TransferChunk, Update, DEFAULT_CHUNK_BYTES,
 };
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -29,6 +29,7 @@ use crate::checkpoint::{CheckpointDir, ServerState, STATE_FORMAT};
 use crate::combine::RoundUpdates;
 use crate::combined_update::CombinedUpdate;
 use crate::diagnostics::Diagnostics;
+use crate::downlink::{DownlinkStream, RoundDownload};
 use crate::global_model::GlobalModel;
 use crate::job_args::JobArgs;
 use crate::metrics::{mean, MetricsLog, RoundRecord, Summary};
@@ -76,6 +77,9 @@ pub(crate) struct Aggregator {
     encoded_global: Option<EncodedPayload>,
     /// The last round's combined sum, whose buffers the next round sums into.
     spent_sum: Option<WeightedSum>,
+    /// The compressed downlink's public model and chain (`--downlink-codec`); `None`: the
+    /// whole model goes down every round.
+    downlink: Option<DownlinkStream>,
     /// A simulation's fixed fleet size: once that many devices have said goodbye, none
     /// will come back, and waiting for them would only run out --register-timeout.
     closed_fleet: Option<usize>,
@@ -169,10 +173,11 @@ impl Aggregator {
                 client_term_state: Vec::new(),
                 privacy: None,
                 model_file: String::new(),
+                downlink: None,
             };
             // The run is fixed from here on: a crash before the first round closes
             // resumes it, rather than starting one its devices would refuse.
-            checkpoints.save(&global, &state)?;
+            checkpoints.save(&global, &state, None)?;
             (global, state)
         };
         tracing::info!(run = %format!("{:016x}", state.run), round = state.round, "job run");
@@ -194,6 +199,13 @@ impl Aggregator {
             (None, Some(_)) => bail!("the checkpoint's rounds ran with --dp-noise-multiplier; give it again to resume"),
             _ => {}
         }
+        let downlink = job.downlink().map(|codec| {
+            let public = checkpoints.load_public(&state, &global);
+            match (public, state.downlink.as_ref().and_then(|d| hex::decode(&d.public_digest).ok())) {
+                (Some(public), Some(digest)) => DownlinkStream::resumed(codec, public, digest),
+                _ => DownlinkStream::new(codec),
+            }
+        });
         let metrics = MetricsLog::open(out)?;
         let signer = job.signer()?;
         link.subscribe(&topics.up_all())?;
@@ -218,6 +230,7 @@ impl Aggregator {
             started: Instant::now(),
             encoded_global: None,
             spent_sum: None,
+            downlink,
             closed_fleet: None,
             farewells: BTreeMap::new(),
         })
@@ -294,10 +307,8 @@ impl Aggregator {
         let started = Instant::now();
         let population = self.online().len();
         let selected = self.select(round, evaluation);
-        let encoded = self.encoded_global.take().unwrap_or_else(|| self.global.encode());
-        let (manifest, mut chunks) = encoded.into_transfer(&format!("r{round}/global"));
+        let (manifest, mut chunks, mut sections, downlink) = self.round_download(round, &selected);
         let mut strategy = self.strategy.configure_round(round);
-        let mut sections = BTreeMap::new();
         if !evaluation {
             self.client_term.begin_round(&self.global);
             self.client_term.configure(&mut strategy);
@@ -343,7 +354,7 @@ impl Aggregator {
             signature: Vec::new(), // signed as published
             secagg: secure.as_ref().map(|s| s.settings),
             update_codec: self.job.update_codec,
-            downlink: None,
+            downlink,
             sender_epoch: self.epoch,
             job: self.job.job.clone(),
             run: self.state.run,
@@ -391,6 +402,52 @@ impl Aggregator {
             }
         }
         self.close_round(open, started)
+    }
+
+    /// What round `round` sends down to the `selected` devices: the whole model, or with a
+    /// compressed downlink the chain of deltas from the oldest model one of them holds.
+    fn round_download(
+        &mut self,
+        round: u64,
+        selected: &[String],
+    ) -> (Manifest, Vec<TransferChunk>, BTreeMap<String, Manifest>, Option<fedpo_wire::Downlink>) {
+        let encoded = self.encoded_global.take().unwrap_or_else(|| self.global.encode());
+        let mut sections = BTreeMap::new();
+        let Some(stream) = self.downlink.as_mut() else {
+            let (manifest, chunks) = encoded.into_transfer(&format!("r{round}/global"));
+            return (manifest, chunks, sections, None);
+        };
+        let held: Vec<Vec<u8>> = selected
+            .iter()
+            .map(|d| self.state.devices.get(d).and_then(|r| hex::decode(&r.holds).ok()).unwrap_or_default())
+            .collect();
+        let held: Vec<&[u8]> = held.iter().map(Vec::as_slice).collect();
+        match stream.download(round, &self.global, encoded.digest(), &held) {
+            RoundDownload::Full => {
+                tracing::info!(codec = %stream.codec(), "downlink: the whole model, which the selected devices do not all hold");
+                let (manifest, chunks) = encoded.into_transfer(&format!("r{round}/global"));
+                (manifest, chunks, sections, None)
+            }
+            RoundDownload::Chain(downlink, payloads) => {
+                let mut main = None;
+                let mut chunks = Vec::new();
+                for (section, payload) in payloads {
+                    if section.is_empty() {
+                        let (m, c) = payload.into_transfer(&format!("r{round}/global"));
+                        main = Some(m);
+                        chunks.extend(c);
+                    } else {
+                        let (m, c) = payload.into_transfer(&format!("r{round}/{section}"));
+                        sections.insert(section, m);
+                        chunks.extend(c);
+                    }
+                }
+                tracing::info!(codec = %downlink.codec, steps = downlink.steps.len(), "downlink: deltas");
+                self.encoded_global = Some(encoded);
+                let main = main.expect("a chain ends in the model transfer");
+                (main, chunks, sections, Some(downlink))
+            }
+        }
     }
 
     /// Publishes a round's result, naming the job and the run, signed when the job has
@@ -474,6 +531,12 @@ impl Aggregator {
             Message::Update(_) | Message::Chunk(_) | Message::SecAgg(_) | Message::Declined(_)
                 if self.identities.is_conflicted(&device) => {}
             Message::Declined(d) => {
+                if d.needs_model && d.device == device {
+                    tracing::warn!(%device, round = d.round, "the device's model is not the one the downlink assumed; it gets the whole model next");
+                    if let Some(record) = self.state.devices.get_mut(&device) {
+                        record.holds.clear();
+                    }
+                }
                 let decline = match open {
                     Some(open) if d.device == device => {
                         let decline = open.collector.decline(&device, d.round, &d.reason);

@@ -18,6 +18,10 @@ pub enum ParticipantError {
     /// The aggregator sent something this device cannot use.
     #[error("protocol: {0}")]
     Protocol(String),
+    /// The round's downlink deltas did not lead from the model this device holds to the
+    /// model the plan names: the device declines the round, asking for the whole model.
+    #[error("downlink: {0}; asking for the whole model")]
+    Downlink(String),
     /// MQTT failed.
     #[error(transparent)]
     Transport(#[from] fedpo_transport::TransportError),

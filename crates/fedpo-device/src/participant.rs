@@ -253,8 +253,9 @@ impl Participant {
     }
 
     /// Tells the aggregator not to wait for this device's update this round.
-    fn decline(&self, round: u64, reason: &str) -> Result<(), ParticipantError> {
-        self.send(&Message::Declined(RoundDeclined::new(self.cfg.id.clone(), round, reason)))
+    fn decline(&self, round: u64, reason: &str, needs_model: bool) -> Result<(), ParticipantError> {
+        let decline = RoundDeclined { needs_model, ..RoundDeclined::new(self.cfg.id.clone(), round, reason) };
+        self.send(&Message::Declined(decline))
     }
 
     fn hello(&self) -> Result<(), ParticipantError> {
@@ -265,7 +266,7 @@ impl Participant {
             memory_mb: self.cfg.max_memory_mib.or_else(fedpo_process::usage::available_mib).unwrap_or(0),
             instance: self.instance,
             connection: self.session.connection(),
-            model: Vec::new(),
+            model: self.state.latest_model_digest(&self.cfg.job),
             tag: Vec::new(),
         };
         self.send(&Message::Hello(tagged(hello, &self.cfg.broker)))
@@ -410,10 +411,12 @@ impl Participant {
                         let Some(received) = self.received.take() else { continue };
                         self.summary.bytes_down += received.len();
                         if let Err(e) = self.train_and_send(&plan, received) {
-                            events.push_back(Event::RoundFailed { round: plan.round, reason: e.to_string() });
+                            let needs_model = matches!(e, ParticipantError::Downlink(_));
+                            let reason = e.to_string();
+                            events.push_back(Event::RoundFailed { round: plan.round, reason, needs_model });
                         }
                     }
-                    Action::Decline { round, reason } => self.decline(round, &reason)?,
+                    Action::Decline { round, reason, needs_model } => self.decline(round, &reason, needs_model)?,
                     Action::Finish => return Ok(true),
                 }
             }
@@ -433,6 +436,10 @@ impl Participant {
         });
         // Read only now: a device waiting for its turn holds the model on disk.
         let bytes = received.into_bytes()?;
+        let bytes = match &plan.downlink {
+            Some(downlink) => download::rebuild(downlink, bytes, &self.state, &self.limits)?,
+            None => bytes,
+        };
         let mut progress = self.state.progress()?;
         if progress.reference_model.is_none() {
             // This model becomes the reference: keep it, to rebuild the reference
@@ -442,7 +449,7 @@ impl Participant {
         // Kept for `generate` and `export`: the closing evaluation's is the job's final model.
         let latest = crate::state_dir::LatestModel {
             round: plan.round,
-            digest: hex::encode(&plan.global_model.digest),
+            digest: hex::encode(plan.model_digest()),
             model_spec: plan.model_spec.clone(),
             job: plan.job.clone(),
         };
@@ -456,7 +463,7 @@ impl Participant {
             .map(|(name, b)| Ok((name, TensorPayload::from_shared(b, &self.limits, true)?)))
             .collect::<Result<_, ParticipantError>>()?;
         tracing::debug!(seconds = format_args!("{:.3}", decoding.elapsed().as_secs_f64()), "model decoded");
-        let model_digest = hex::encode(&plan.global_model.digest);
+        let model_digest = hex::encode(plan.model_digest());
         let mut outcome = train_round(
             RoundInputs {
                 plan,

@@ -233,6 +233,23 @@ impl StateDir {
         }
     }
 
+    /// Digest of the latest model this device kept for `job`, as its description says
+    /// (checked when the model is used); empty when there is none.
+    pub(crate) fn latest_model_digest(&self, job: &str) -> Vec<u8> {
+        std::fs::read(self.path(LATEST_MODEL_INFO))
+            .ok()
+            .and_then(|json| serde_json::from_slice::<LatestModel>(&json).ok())
+            .filter(|info| info.job == job)
+            .and_then(|info| hex::decode(info.digest).ok())
+            .filter(|d| d.len() == fedpo_wire::DIGEST_BYTES)
+            .unwrap_or_default()
+    }
+
+    /// The state directory's root.
+    pub(crate) fn root(&self) -> &Path {
+        &self.root
+    }
+
     /// Keeps `bytes`, the global model of `info.round` as received, as the latest model.
     pub(crate) fn keep_latest_model(&self, bytes: &[u8], info: &LatestModel) -> Result<(), ParticipantError> {
         let (model, described) = (self.path(LATEST_MODEL), self.path(LATEST_MODEL_INFO));

@@ -31,6 +31,9 @@ pub struct FakeDevice {
     instance: u64,
     /// Its broker password, which tags its hellos.
     password: Option<String>,
+    /// Digest of the model of the last plan it answered with an update, which its hellos
+    /// say it holds, as a real device's do.
+    holds: std::sync::Mutex<Vec<u8>>,
 }
 
 impl FakeDevice {
@@ -47,7 +50,7 @@ impl FakeDevice {
         opts.last_will = Some((topics.up(id), Message::Bye(will).encode()));
         let link = MqttLink::connect(url, &opts).unwrap();
         link.subscribe(&topics.down()).unwrap();
-        Self { link, topics, id: id.into(), instance, password: url.password.clone() }
+        Self { link, topics, id: id.into(), instance, password: url.password.clone(), holds: Default::default() }
     }
 
     /// Joins every id at once and waits for the plan that selects each: they say hello
@@ -78,7 +81,7 @@ impl FakeDevice {
             memory_mb: 0,
             instance: self.instance,
             connection: 1,
-            model: Vec::new(),
+            model: self.holds.lock().unwrap().clone(),
             tag: Vec::new(),
         };
         if let Some(password) = &self.password {
@@ -158,12 +161,26 @@ impl FakeDevice {
             bytes[middle] ^= 0x5a;
             last.bytes = bytes.into();
         }
+        *self.holds.lock().unwrap() = plan.model_digest().to_vec();
         self.publish(update, chunks);
     }
 
     /// Declines the round, as a device whose training failed does.
     pub fn decline(&self, plan: &RoundPlan, reason: &str) {
-        let declined = RoundDeclined { device: self.id.clone(), round: plan.round, reason: reason.into() };
+        self.send_decline(plan, reason, false);
+    }
+
+    /// Declines the round because its downlink deltas do not apply to the model it holds,
+    /// as a device whose model is gone does.
+    pub fn decline_needing_model(&self, plan: &RoundPlan) {
+        self.send_decline(plan, "downlink: no usable model is held; asking for the whole model", true);
+    }
+
+    fn send_decline(&self, plan: &RoundPlan, reason: &str, needs_model: bool) {
+        if needs_model {
+            self.holds.lock().unwrap().clear();
+        }
+        let declined = RoundDeclined { device: self.id.clone(), round: plan.round, reason: reason.into(), needs_model };
         self.link.publish(&self.topics.up(&self.id), Message::Declined(declined).encode()).unwrap();
     }
 

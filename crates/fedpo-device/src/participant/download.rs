@@ -4,9 +4,11 @@
 
 use std::path::Path;
 
-use fedpo_wire::{Bundle, BundleBytes, KeptBundle, Limits, RoundPlan};
+use fedpo_wire::{apply_delta, Bundle, BundleBytes, Downlink, KeptBundle, Limits, RoundPlan, TensorPayload};
 
 use crate::memory;
+use crate::state_dir::{read_latest_model, StateDir};
+use crate::error::ParticipantError;
 
 /// Checks a plan's transfers against the model its spec describes before any byte of
 /// them is stored: the model at most every parameter in f32, each section (SCAFFOLD's
@@ -65,6 +67,53 @@ impl Received {
             Self::Kept(k) => k.read(),
         }
     }
+}
+
+/// The model a downlink round gives: the model this device holds with the plan's deltas
+/// added, from the step that starts at it, checked against the digest the plan names.
+/// The deltas' sections are consumed; the others stay for the round.
+///
+/// Fails with [`ParticipantError::Downlink`] when the device holds no model, one no step
+/// starts from, or the result does not verify: the device declines the round asking for
+/// the whole model.
+pub(super) fn rebuild(
+    downlink: &Downlink,
+    mut bytes: BundleBytes,
+    state: &StateDir,
+    limits: &Limits,
+) -> Result<BundleBytes, ParticipantError> {
+    let refuse = |why: String| ParticipantError::Downlink(why);
+    let (info, held) = read_latest_model(state.root()).map_err(|e| refuse(format!("no usable model is held ({e})")))?;
+    let held_digest = hex::decode(&info.digest).unwrap_or_default();
+    let Some(steps) = downlink.steps_from(&held_digest) else {
+        return Err(refuse(format!(
+            "this device holds model {} (round {}), which none of the plan's {} steps starts from",
+            info.digest,
+            info.round,
+            downlink.steps.len()
+        )));
+    };
+    let mut model: Vec<u8> = held.into();
+    for step in steps {
+        let delta = if step.section.is_empty() {
+            std::mem::take(&mut bytes.main)
+        } else {
+            bytes.sections.remove(&step.section).ok_or_else(|| refuse(format!("section `{}` did not arrive", step.section)))?
+        };
+        let delta = TensorPayload::from_shared(delta, limits, true)?;
+        apply_delta(&mut model, &delta, limits).map_err(|e| refuse(e.to_string()))?;
+    }
+    let found = fedpo_wire::digest(&model);
+    if found != downlink.model {
+        return Err(refuse(format!(
+            "the rebuilt model has digest {}, and the plan names {}",
+            hex::encode(found),
+            hex::encode(&downlink.model)
+        )));
+    }
+    bytes.sections.retain(|name, _| !name.starts_with(fedpo_wire::DOWNLINK_SECTION));
+    bytes.main = model.into();
+    Ok(bytes)
 }
 
 #[cfg(test)]

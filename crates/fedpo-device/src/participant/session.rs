@@ -60,7 +60,9 @@ pub(crate) enum Event {
     /// The pending round's transfers are complete and verified.
     ModelReceived,
     /// Training or sending `round` failed.
-    RoundFailed { round: u64, reason: String },
+    /// `needs_model`: it failed because the round's deltas did not apply to the model the
+    /// device holds.
+    RoundFailed { round: u64, reason: String, needs_model: bool },
     /// `round`'s update went out on the current connection (sent or resent).
     UpdateSent { round: u64 },
 }
@@ -85,7 +87,9 @@ pub(crate) enum Action {
     /// Train the round on the received model and send the update.
     Train(Arc<RoundPlan>),
     /// Tell the aggregator not to wait for this device's update of `round`.
-    Decline { round: u64, reason: String },
+    /// Tell the aggregator not to wait for this device's update of `round` (and, with
+    /// `needs_model`, that its next plan must carry the whole model).
+    Decline { round: u64, reason: String, needs_model: bool },
     /// The job is finished: say goodbye and leave.
     Finish,
 }
@@ -200,12 +204,12 @@ impl Session {
                     actions.push(Action::Train(plan));
                 }
             }
-            Event::RoundFailed { round, reason } => {
+            Event::RoundFailed { round, reason, needs_model } => {
                 // A round that cannot run (a model that does not fit, a non-finite loss)
                 // costs this round only: the device stays in the job and the aggregator's
                 // deadline moves on.
                 tracing::error!(round, error = %reason, "round failed; waiting for the next plan");
-                actions.push(Action::Decline { round, reason });
+                actions.push(Action::Decline { round, reason, needs_model });
             }
             Event::UpdateSent { round } => self.sent_under = Some((round, self.plan_epoch, self.connection)),
         }
@@ -263,7 +267,7 @@ impl Session {
             }
             // The aggregator restarted or reconnected mid-round, or we did, or this
             // process never sent it: send the same update again.
-            let global_digest = hex::encode(&plan.global_model.digest);
+            let global_digest = hex::encode(plan.model_digest());
             actions.push(Action::Resend { round: plan.round, global_digest });
             return;
         }

@@ -159,8 +159,8 @@ fn a_failed_round_is_declined_and_the_device_stays() {
     s.handle(Event::ModelReceived, t);
     let reason = "the loss is not finite".to_string();
     assert_eq!(
-        s.handle(Event::RoundFailed { round: 1, reason: reason.clone() }, t),
-        vec![Action::Decline { round: 1, reason }]
+        s.handle(Event::RoundFailed { round: 1, reason: reason.clone(), needs_model: true }, t),
+        vec![Action::Decline { round: 1, reason, needs_model: true }]
     );
     assert_eq!(kinds(&on_plan(&mut s, plan(2), standing(0), t)), ["fit", "receive"], "the next round goes on");
 }
