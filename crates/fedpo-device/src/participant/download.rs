@@ -137,4 +137,75 @@ mod tests {
         let err = check_download(&plan_announcing(model, Some(model + (2 << 20)))).unwrap_err();
         assert!(err.contains("scaffold.control"), "{err}");
     }
+
+    struct T(&'static str, Vec<f32>);
+    impl fedpo_wire::ToWire for T {
+        fn wire_name(&self) -> &str {
+            self.0
+        }
+        fn wire_shape(&self) -> Vec<u64> {
+            vec![self.1.len() as u64]
+        }
+        fn wire_values(&self) -> &[f32] {
+            &self.1
+        }
+    }
+
+    /// A state directory holding a two-tensor model; the model's payload bytes.
+    fn holding(dir: &Path) -> (StateDir, Vec<u8>) {
+        let state = StateDir::open(dir).unwrap();
+        let model = [T("wte", vec![0.5; 8]), T("h.0.w", vec![1.0, 2.0, 3.0, 4.0])];
+        let bytes = fedpo_wire::TensorPayload::encode(&model, fedpo_wire::WireDType::F32).to_bytes();
+        let info = crate::state_dir::LatestModel {
+            round: 3,
+            digest: hex::encode(fedpo_wire::digest(&bytes)),
+            model_spec: String::new(),
+            job: "lab".into(),
+        };
+        state.keep_latest_model(&bytes, &info).unwrap();
+        (state, bytes)
+    }
+
+    /// Round 4's bundle: a delta of `h.0.w` as the model transfer, beside a SCAFFOLD section.
+    fn bundle() -> BundleBytes {
+        let delta = TensorPayload::compress([&T("h.0.w", vec![0.25, 0.0, -1.0, 0.5])], fedpo_wire::UpdateCodec::F32);
+        BundleBytes {
+            main: delta.to_bytes().into(),
+            sections: [("scaffold.control".to_string(), fedpo_wire::Bytes::from_static(b"c"))].into(),
+        }
+    }
+
+    fn downlink(base: Vec<u8>, model: Vec<u8>) -> Downlink {
+        let step = fedpo_wire::DeltaStep { base, section: String::new() };
+        Downlink { codec: fedpo_wire::UpdateCodec::F32, steps: vec![step], model }
+    }
+
+    #[test]
+    fn a_device_rebuilds_the_plans_model_from_the_one_it_holds_and_keeps_the_other_sections() {
+        let dir = tempfile::tempdir().unwrap();
+        let (state, held) = holding(dir.path());
+        let want = [T("wte", vec![0.5; 8]), T("h.0.w", vec![1.25, 2.0, 2.0, 4.5])];
+        let want = fedpo_wire::TensorPayload::encode(&want, fedpo_wire::WireDType::F32).to_bytes();
+        let plan = downlink(fedpo_wire::digest(&held), fedpo_wire::digest(&want));
+        let rebuilt = rebuild(&plan, bundle(), &state, &Limits::default()).unwrap();
+        assert_eq!(rebuilt.main.as_ref(), want.as_slice());
+        assert_eq!(rebuilt.sections.keys().collect::<Vec<_>>(), ["scaffold.control"]);
+    }
+
+    #[test]
+    fn a_device_without_the_base_or_with_a_wrong_result_asks_for_the_whole_model() {
+        let limits = Limits::default();
+        let empty = tempfile::tempdir().unwrap();
+        let nothing = StateDir::open(empty.path()).unwrap();
+        let err = rebuild(&downlink(vec![1; 32], vec![2; 32]), bundle(), &nothing, &limits).unwrap_err();
+        assert!(matches!(&err, ParticipantError::Downlink(why) if why.contains("no usable model")), "{err}");
+
+        let dir = tempfile::tempdir().unwrap();
+        let (state, held) = holding(dir.path());
+        let err = rebuild(&downlink(vec![1; 32], vec![2; 32]), bundle(), &state, &limits).unwrap_err();
+        assert!(matches!(&err, ParticipantError::Downlink(why) if why.contains("none of the plan's 1 steps")), "{err}");
+        let err = rebuild(&downlink(fedpo_wire::digest(&held), vec![2; 32]), bundle(), &state, &limits).unwrap_err();
+        assert!(matches!(&err, ParticipantError::Downlink(why) if why.contains("the plan names 0202")), "{err}");
+        assert!(err.to_string().contains("asking for the whole model"), "{err}");
+    }
 }
