@@ -13,11 +13,12 @@ use fedpo_data::synthetic::{generate_device, SyntheticSpec};
 use fedpo_device::participant;
 use fedpo_transport::EmbeddedBroker;
 
-fn spawn_aggregator(url: &str, out: &std::path::Path, resume: bool) -> Child {
+fn spawn_aggregator(url: &str, out: &std::path::Path, resume: bool, extra: &[&str]) -> Child {
     let mut cmd = Command::new(binary("fedpo-aggregator"));
     cmd.args(["serve", "--broker", url, "--job", "resume", "--freeze-embeddings", "--rounds", "3"])
         .args(["--per-round", "3", "--min-devices", "3", "--local-steps", "1", "--batch-pairs", "4", "--out"])
         .arg(out)
+        .args(extra)
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(out.with_extension(if resume { "resumed.log" } else { "log" })).unwrap());
     if resume {
@@ -55,7 +56,7 @@ fn aggregator_restarted_with_resume_continues_at_the_next_round_from_the_checkpo
         })
         .collect();
 
-    let mut first = spawn_aggregator(&url.to_string(), &out, false);
+    let mut first = spawn_aggregator(&url.to_string(), &out, false, &[]);
     let deadline = Instant::now() + Duration::from_secs(300);
     while metric_rounds(&out).is_empty() {
         assert!(Instant::now() < deadline, "round 1 never finished");
@@ -75,7 +76,7 @@ fn aggregator_restarted_with_resume_continues_at_the_next_round_from_the_checkpo
     let serde_cbor::Value::Text(checkpoint_digest) = field("global_digest") else { panic!("digest") };
     let checkpoint_round = checkpoint_round as u64;
 
-    let mut second = spawn_aggregator(&url.to_string(), &out, true);
+    let mut second = spawn_aggregator(&url.to_string(), &out, true, &[]);
     assert!(second.wait().unwrap().success(), "the resumed aggregator finishes the job");
     for d in devices {
         d.join().unwrap().expect("devices run to the end of the job");
@@ -109,5 +110,55 @@ fn aggregator_restarted_with_resume_continues_at_the_next_round_from_the_checkpo
             common::tensor_values(next, name)
         });
         assert!(worst <= 1e-6, "round {r}: the model differs from the updates' mean by {worst:e}");
+    }
+}
+
+#[test]
+fn a_resumed_aggregator_goes_on_sending_deltas_against_the_model_devices_hold() {
+    let dir = fedpo_tests::TestDir::new();
+    let broker = EmbeddedBroker::start_on_free_port().unwrap();
+    let url = broker.url();
+    let tap = Wiretap::start(&url, "fedpo/resume/down");
+    let out = dir.path().join("aggregator");
+    std::fs::create_dir_all(&out).unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let spec = SyntheticSpec { heterogeneity: 1.0, train_pairs: 8, heldout_pairs: 4, seed: 0 };
+    let devices: Vec<_> = (0..3)
+        .map(|k| {
+            let data = generate_device(&spec, k).unwrap();
+            let id = format!("dev-{k}");
+            let mut cfg =
+                common::participant_config(&url, "resume", &id, dir.path().join(&id), (data.train, data.heldout), 64);
+            cfg.stop = stop.clone();
+            std::thread::spawn(move || participant::run(cfg))
+        })
+        .collect();
+    let downlink = ["--downlink-codec", "int8"];
+    let mut first = spawn_aggregator(&url.to_string(), &out, false, &downlink);
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while metric_rounds(&out).is_empty() {
+        assert!(Instant::now() < deadline, "round 1 never finished");
+        assert!(first.try_wait().unwrap().is_none(), "the aggregator exited early");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    first.kill().unwrap();
+    first.wait().unwrap();
+    let heard_before_restart = tap.heard().len();
+    let mut second = spawn_aggregator(&url.to_string(), &out, true, &downlink);
+    assert!(second.wait().unwrap().success(), "the resumed aggregator finishes the job");
+    for d in devices {
+        d.join().unwrap().expect("devices run to the end of the job");
+    }
+    stop.store(true, Ordering::SeqCst);
+    let heard = tap.stop();
+
+    let resumed = decode_rounds(&heard[heard_before_restart..]);
+    let (round, first_resumed) = resumed.iter().next().expect("the resumed aggregator planned a round");
+    assert!(
+        first_resumed.plans[0].downlink.is_some(),
+        "round {round}: the devices hold the checkpointed public model, so deltas go on"
+    );
+    for r in common::metrics_records(&out) {
+        assert_eq!(r["participants"].as_array().unwrap().len(), 3, "every device took part in round {}", r["round"]);
     }
 }

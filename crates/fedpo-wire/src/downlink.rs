@@ -84,9 +84,13 @@ impl Downlink {
         Ok(())
     }
 
-    /// The steps a device holding the model `held` (a digest) applies, in order; `None`
-    /// when that model is not in the chain.
+    /// The steps a device holding the model `held` (a digest) applies, in order: none when
+    /// it holds the chain's result already (it rebuilt it before the aggregator restarted
+    /// mid-round); `None` when that model is not in the chain.
     pub fn steps_from(&self, held: &[u8]) -> Option<&[DeltaStep]> {
+        if held == self.model {
+            return Some(&[]);
+        }
         let first = self.steps.iter().position(|s| s.base == held)?;
         Some(&self.steps[first..])
     }
@@ -227,7 +231,8 @@ mod tests {
         };
         assert_eq!(d.steps_from(&[2; 32]).unwrap().len(), 2);
         assert_eq!(d.steps_from(&[1; 32]).unwrap().len(), 3);
-        assert!(d.steps_from(&[4; 32]).is_none(), "the yielded model is no base");
+        assert_eq!(d.steps_from(&[4; 32]).unwrap().len(), 0, "a device holding the result already");
+        assert!(d.steps_from(&[5; 32]).is_none(), "a model the chain does not know");
         assert!(d.steps_from(&[]).is_none(), "a device holding nothing");
     }
 
