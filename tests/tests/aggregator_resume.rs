@@ -35,6 +35,36 @@ fn metric_rounds(out: &std::path::Path) -> Vec<u64> {
         .collect()
 }
 
+/// Three devices of job `resume`, state under `dir`, until `stop` is set.
+fn start_devices(
+    url: &fedpo_transport::BrokerUrl,
+    dir: &std::path::Path,
+    stop: &Arc<AtomicBool>,
+) -> Vec<std::thread::JoinHandle<Result<participant::ParticipantSummary, participant::ParticipantError>>> {
+    let spec = SyntheticSpec { heterogeneity: 1.0, train_pairs: 8, heldout_pairs: 4, seed: 0 };
+    (0..3)
+        .map(|k| {
+            let data = generate_device(&spec, k).unwrap();
+            let id = format!("dev-{k}");
+            let mut cfg = common::participant_config(url, "resume", &id, dir.join(&id), (data.train, data.heldout), 64);
+            cfg.stop = stop.clone();
+            std::thread::spawn(move || participant::run(cfg))
+        })
+        .collect()
+}
+
+/// Kills the aggregator once round 1 is in its metrics.
+fn kill_after_round_one(aggregator: &mut Child, out: &std::path::Path) {
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while metric_rounds(out).is_empty() {
+        assert!(Instant::now() < deadline, "round 1 never finished");
+        assert!(aggregator.try_wait().unwrap().is_none(), "the aggregator exited early");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    aggregator.kill().unwrap();
+    aggregator.wait().unwrap();
+}
+
 #[test]
 fn aggregator_restarted_with_resume_continues_at_the_next_round_from_the_checkpointed_model() {
     let dir = fedpo_tests::TestDir::new();
@@ -44,27 +74,10 @@ fn aggregator_restarted_with_resume_continues_at_the_next_round_from_the_checkpo
     let out = dir.path().join("aggregator");
     std::fs::create_dir_all(&out).unwrap();
     let stop = Arc::new(AtomicBool::new(false));
-    let spec = SyntheticSpec { heterogeneity: 1.0, train_pairs: 8, heldout_pairs: 4, seed: 0 };
-    let devices: Vec<_> = (0..3)
-        .map(|k| {
-            let data = generate_device(&spec, k).unwrap();
-            let id = format!("dev-{k}");
-            let mut cfg =
-                common::participant_config(&url, "resume", &id, dir.path().join(&id), (data.train, data.heldout), 64);
-            cfg.stop = stop.clone();
-            std::thread::spawn(move || participant::run(cfg))
-        })
-        .collect();
+    let devices = start_devices(&url, dir.path(), &stop);
 
     let mut first = spawn_aggregator(&url.to_string(), &out, false, &[]);
-    let deadline = Instant::now() + Duration::from_secs(300);
-    while metric_rounds(&out).is_empty() {
-        assert!(Instant::now() < deadline, "round 1 never finished");
-        assert!(first.try_wait().unwrap().is_none(), "the aggregator exited early");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    first.kill().unwrap();
-    first.wait().unwrap();
+    kill_after_round_one(&mut first, &out);
     let heard_before_restart = tap.heard().len();
     let state: serde_cbor::Value =
         serde_cbor::from_slice(&std::fs::read(out.join("checkpoint/state.cbor")).unwrap()).unwrap();
@@ -122,27 +135,10 @@ fn a_resumed_aggregator_goes_on_sending_deltas_against_the_model_devices_hold() 
     let out = dir.path().join("aggregator");
     std::fs::create_dir_all(&out).unwrap();
     let stop = Arc::new(AtomicBool::new(false));
-    let spec = SyntheticSpec { heterogeneity: 1.0, train_pairs: 8, heldout_pairs: 4, seed: 0 };
-    let devices: Vec<_> = (0..3)
-        .map(|k| {
-            let data = generate_device(&spec, k).unwrap();
-            let id = format!("dev-{k}");
-            let mut cfg =
-                common::participant_config(&url, "resume", &id, dir.path().join(&id), (data.train, data.heldout), 64);
-            cfg.stop = stop.clone();
-            std::thread::spawn(move || participant::run(cfg))
-        })
-        .collect();
+    let devices = start_devices(&url, dir.path(), &stop);
     let downlink = ["--downlink-codec", "int8"];
     let mut first = spawn_aggregator(&url.to_string(), &out, false, &downlink);
-    let deadline = Instant::now() + Duration::from_secs(300);
-    while metric_rounds(&out).is_empty() {
-        assert!(Instant::now() < deadline, "round 1 never finished");
-        assert!(first.try_wait().unwrap().is_none(), "the aggregator exited early");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    first.kill().unwrap();
-    first.wait().unwrap();
+    kill_after_round_one(&mut first, &out);
     let heard_before_restart = tap.heard().len();
     let mut second = spawn_aggregator(&url.to_string(), &out, true, &downlink);
     assert!(second.wait().unwrap().success(), "the resumed aggregator finishes the job");
