@@ -24,24 +24,9 @@ use super::bf16_gemm::MatmulPrecision;
 use super::fast_math::FastExp;
 use super::fork::Forks;
 use super::query_blocks::{query_blocks, QueryBlock, MAX_ROWS};
+use super::send_ptr::SendPtr;
 use super::strided_gemm::gemm_into;
 use super::{contiguous_slice, full_precision, CResult};
-
-/// A raw pointer the per-head tasks share. Each task reads the whole input but writes only
-/// its own head's columns of its own sequence, so no two tasks write the same element.
-#[derive(Clone, Copy)]
-struct SharedMut<T>(*mut T);
-// SAFETY: see the type's doc: tasks write disjoint elements, and the buffer outlives them.
-unsafe impl<T: Send> Send for SharedMut<T> {}
-// SAFETY: as above.
-unsafe impl<T: Send> Sync for SharedMut<T> {}
-
-impl<T> SharedMut<T> {
-    /// Through a method, so closures capture the `Sync` wrapper and not the bare pointer.
-    fn ptr(&self) -> *mut T {
-        self.0
-    }
-}
 
 /// The shape of one call: `batch` sequences of `t` tokens, `n_head` heads of `head_dim`.
 #[derive(Clone, Copy, Debug)]
@@ -160,7 +145,7 @@ pub(super) fn forward_cpu<T: FastExp>(qkv: &[T], dims: Dims, forks: &Forks) -> V
     // them), so the output needs no zero fill first.
     let n = dims.batch * t * d;
     let mut out: Vec<T> = Vec::with_capacity(n);
-    let dst = SharedMut(out.as_mut_ptr());
+    let dst = SendPtr(out.as_mut_ptr());
     (0..dims.batch * dims.n_head).into_par_iter().for_each_init(
         || vec![T::zero(); MAX_ROWS.min(t) * t],
         |probs, task| {
@@ -172,7 +157,7 @@ pub(super) fn forward_cpu<T: FastExp>(qkv: &[T], dims: Dims, forks: &Forks) -> V
                 let head = Head::of(qkv.as_ptr(), dims, b, h);
                 for block in &plans[b] {
                     block_probs(dims, head, block, probs);
-                    let y = dst.ptr().add((b * t + block.rows.start) * d + h * hd);
+                    let y = dst.get().add((b * t + block.rows.start) * d + h * hd);
                     let (rows, width) = (block.rows.len(), block.width());
                     for (column, keys) in block.segments() {
                         let p = probs.as_ptr().add(column);
@@ -200,7 +185,7 @@ pub(super) fn backward_cpu<T: FastExp>(qkv: &[T], dy: &[T], dims: Dims, forks: &
     // column, so the buffer needs no zero fill first.
     let n = dims.batch * t * three_d;
     let mut out: Vec<T> = Vec::with_capacity(n);
-    let dst = SharedMut(out.as_mut_ptr());
+    let dst = SendPtr(out.as_mut_ptr());
     let scale = T::from_f64(1.0 / (hd as f64).sqrt());
     let block_len = MAX_ROWS.min(t) * t;
     (0..dims.batch * dims.n_head).into_par_iter().for_each_init(
@@ -211,7 +196,7 @@ pub(super) fn backward_cpu<T: FastExp>(qkv: &[T], dy: &[T], dims: Dims, forks: &
             // the caller); this task writes only head h's q, k and v columns of sequence b.
             unsafe {
                 let head = Head::of(qkv.as_ptr(), dims, b, h);
-                let grad = Head::of(dst.ptr().cast_const(), dims, b, h);
+                let grad = Head::of(dst.get().cast_const(), dims, b, h);
                 let (dq, dk, dv) = (grad.q.cast_mut(), grad.k.cast_mut(), grad.v.cast_mut());
                 for r in 0..t {
                     std::slice::from_raw_parts_mut(dk.add(r * three_d), hd).fill(T::zero());

@@ -138,32 +138,8 @@ pub(super) unsafe fn rounded_copy(ptr: *const f32, (rs, cs): (usize, usize), row
     (0..rows * cols).map(|e| round(unsafe { *ptr.add((e / cols) * rs + (e % cols) * cs) })).collect()
 }
 
-/// `dst[m x n] (+)= scale * lhs @ rhs` with both operands rounded to bf16, on AMX (`amx`)
-/// or AVX512-BF16; arguments as `gemm_into`'s, which hands products here.
-///
-/// # Safety
-/// As `gemm_into`'s, for f32; the engine was detected ([`Bf16Engine::detect`]).
 #[cfg(target_arch = "x86_64")]
-#[allow(clippy::too_many_arguments)]
-pub(super) unsafe fn native_gemm_into(
-    amx: bool,
-    (m, n, k): (usize, usize, usize),
-    dst: *mut f32,
-    dst_rs: usize,
-    accumulate: bool,
-    lhs: *const f32,
-    lhs_strides: (usize, usize),
-    rhs: *const f32,
-    rhs_strides: (usize, usize),
-    scale: f32,
-    threads: usize,
-) {
-    use super::bf16_pack::Operand;
-    let a = Operand { ptr: lhs, row_stride: lhs_strides.0, col_stride: lhs_strides.1, rows: m, cols: k };
-    let b = Operand { ptr: rhs, row_stride: rhs_strides.0, col_stride: rhs_strides.1, rows: k, cols: n };
-    // SAFETY: the caller's contract.
-    unsafe { native::gemm(amx, a, b, (dst, dst_rs), accumulate, scale, threads) }
-}
+pub(super) use native::gemm as native_gemm;
 
 #[cfg(target_arch = "x86_64")]
 mod native {
@@ -171,20 +147,8 @@ mod native {
 
     use super::super::bf16_kernels::{amx_block, avx512_block, Tiles, BLOCK};
     use super::super::bf16_pack::{pack_rows, pack_strips, Operand};
+    use super::super::send_ptr::SendPtr;
     use super::KC;
-
-    /// A raw pointer shared by rayon's tasks, each writing its own columns.
-    #[derive(Clone, Copy)]
-    struct Shared<T>(*mut T);
-    // SAFETY: tasks write disjoint column ranges of dst and only read the packs.
-    unsafe impl<T> Send for Shared<T> {}
-    // SAFETY: as above.
-    unsafe impl<T> Sync for Shared<T> {}
-    impl<T> Shared<T> {
-        fn get(self) -> *mut T {
-            self.0
-        }
-    }
 
     /// One 32 x 32 block on the chosen kernel.
     ///
@@ -216,9 +180,13 @@ mod native {
     /// right operand's columns and runs every row block against it, so a band stays in
     /// cache while the rows stream past.
     ///
+    /// `dst[m x n] (+)= scale * a @ b` with both operands rounded to bf16, on AMX (`amx`)
+    /// or AVX512-BF16; `gemm_into` hands products here.
+    ///
     /// # Safety
-    /// As `native_gemm_into`'s; `amx` only where [`super::Bf16Engine::detect`] chose AMX.
-    pub(super) unsafe fn gemm(
+    /// As `gemm_into`'s, for f32, with the operands' strides addressing their buffers;
+    /// `amx` only where [`super::Bf16Engine::detect`] chose AMX, AVX512-BF16 otherwise.
+    pub(in crate::ops) unsafe fn gemm(
         amx: bool,
         a: Operand,
         b: Operand,
@@ -232,8 +200,8 @@ mod native {
         // Bands of 32 to 128 columns, at least two per thread where the width allows.
         let band = (n.div_ceil(2 * threads.max(1)).div_ceil(BLOCK) * BLOCK).clamp(BLOCK, 4 * BLOCK);
         let bands = n.div_ceil(band);
-        let (a_shared, b_shared) = (Shared(a.ptr.cast_mut()), Shared(b.ptr.cast_mut()));
-        let dst = Shared(dst);
+        let (a_shared, b_shared) = (SendPtr(a.ptr.cast_mut()), SendPtr(b.ptr.cast_mut()));
+        let dst = SendPtr(dst);
         for p0 in (0..k).step_by(KC) {
             let kc = KC.min(k - p0);
             let kp = kc.div_ceil(32) * 32;

@@ -65,6 +65,7 @@ mod parallel_fill;
 mod projection;
 mod query_blocks;
 mod row_exps;
+mod send_ptr;
 mod softmax;
 mod strided_gemm;
 mod tied_embedding;

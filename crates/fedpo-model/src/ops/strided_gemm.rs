@@ -12,6 +12,7 @@ use candle_core::{CpuStorage, CustomOp2, DType, InplaceOp3, Layout, Shape, Tenso
 use rayon::prelude::*;
 
 use super::bf16_gemm::{self, Bf16Engine, MatmulPrecision};
+use super::send_ptr::SendPtr;
 use super::{contiguous_slice, CResult};
 
 /// `dst[m x n] = scale * lhs @ rhs`, or with `accumulate`, `dst += scale * lhs @ rhs`;
@@ -172,23 +173,12 @@ unsafe fn bf16_product(
     match engine {
         #[cfg(target_arch = "x86_64")]
         Bf16Engine::Amx | Bf16Engine::Avx512Bf16 => {
+            use super::bf16_pack::Operand;
             let amx = engine == Bf16Engine::Amx;
+            let a = Operand { ptr: lhs, row_stride: lhs_strides.0, col_stride: lhs_strides.1, rows: m, cols: k };
+            let b = Operand { ptr: rhs, row_stride: rhs_strides.0, col_stride: rhs_strides.1, rows: k, cols: n };
             // SAFETY: the caller's contract; the engine is one the CPU runs.
-            unsafe {
-                bf16_gemm::native_gemm_into(
-                    amx,
-                    (m, n, k),
-                    dst,
-                    dst_rs,
-                    accumulate,
-                    lhs,
-                    lhs_strides,
-                    rhs,
-                    rhs_strides,
-                    scale,
-                    threads,
-                )
-            }
+            unsafe { bf16_gemm::native_gemm(amx, a, b, (dst, dst_rs), accumulate, scale, threads) }
         }
         _ => {
             // SAFETY: the operands' strides address [m, k] and [k, n] (the caller's contract).
@@ -212,23 +202,6 @@ unsafe fn bf16_product(
                 )
             }
         }
-    }
-}
-
-/// A raw pointer that crosses into rayon's tasks, each of which touches its own slab.
-#[derive(Clone, Copy)]
-struct SendPtr<T>(*mut T);
-
-// SAFETY: only used by `gemm_into`, whose tasks write disjoint slabs and read shared
-// operands that outlive the parallel loop.
-unsafe impl<T> Send for SendPtr<T> {}
-// SAFETY: as above.
-unsafe impl<T> Sync for SendPtr<T> {}
-
-impl<T> SendPtr<T> {
-    /// By value, so that closures capture the whole wrapper rather than its raw field.
-    fn get(self) -> *mut T {
-        self.0
     }
 }
 
