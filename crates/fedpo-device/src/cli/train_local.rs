@@ -104,7 +104,7 @@ pub(crate) struct TrainLocalArgs {
 }
 
 /// Fits training into `--max-memory`: adjusts the model and data flags in place.
-fn fit_to_memory(args: &mut TrainLocalArgs, budget_mib: u64, data: &LoadedData, device: &Device) -> Result<()> {
+fn fit_to_memory(args: &mut TrainLocalArgs, budget: memory::Budget, data: &LoadedData, device: &Device) -> Result<()> {
     // resolved once, here, so that `auto` chooses (and says so) once
     let compute_dtype = args.model.compute_dtype.on(device);
     args.model.compute_dtype = ComputeDtype::Fixed(compute_dtype);
@@ -127,8 +127,8 @@ fn fit_to_memory(args: &mut TrainLocalArgs, budget_mib: u64, data: &LoadedData, 
         kernels: StepKernels::for_run(device, compute_dtype),
         config,
     };
-    let plan = memory::plan(&request, budget_mib)?;
-    tracing::info!(budget_mib, plan = %plan, longest_sequence = seq_len, longest_response = response_len, "memory plan");
+    let plan = memory::plan(&request, budget)?;
+    tracing::info!(budget_mib = budget.mib, plan = %plan, longest_sequence = seq_len, longest_response = response_len, "memory plan");
     args.dpo.micro_batch_pairs = Some(plan.micro_batch_pairs);
     args.model.freeze_embeddings |= plan.freeze_embeddings;
     if let Some(len) = plan.max_len {
@@ -155,7 +155,7 @@ fn reference_set(
 pub(crate) fn run(mut args: TrainLocalArgs) -> Result<()> {
     let device = parse_device(&args.model.device)?;
     let data = args.data.load(args.model.seed)?;
-    if let Some(budget) = memory::training_budget_mib(&device, args.max_memory) {
+    if let Some(budget) = memory::training_budget(&device, args.max_memory) {
         fit_to_memory(&mut args, budget, &data, &device)?;
     }
     let (policy, tokenizer) = args.model.build(&device)?;

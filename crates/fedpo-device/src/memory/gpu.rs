@@ -24,19 +24,65 @@ pub struct GpuMemory {
 /// pool's rounding, and room for what other processes on the card allocate meanwhile.
 pub const GPU_RESERVE_MIB: u64 = 256;
 
+/// A memory budget, and what set it: an error that refuses a model names the limit the
+/// user can change.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Budget {
+    /// MiB training may take.
+    pub mib: u64,
+    /// Where the limit comes from.
+    pub source: BudgetSource,
+}
+
+/// What sets a [`Budget`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BudgetSource {
+    /// `--max-memory`.
+    MaxMemory,
+    /// The GPU's free memory, less [`GPU_RESERVE_MIB`].
+    GpuFree {
+        /// What the driver reported free, MiB.
+        free_mib: u64,
+    },
+}
+
+impl From<u64> for Budget {
+    /// A `--max-memory` budget.
+    fn from(mib: u64) -> Self {
+        Self { mib, source: BudgetSource::MaxMemory }
+    }
+}
+
+impl std::fmt::Display for Budget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.source {
+            BudgetSource::MaxMemory => write!(f, "--max-memory {} MiB", self.mib),
+            BudgetSource::GpuFree { free_mib } => write!(
+                f,
+                "the GPU's free memory ({free_mib} MiB, less {GPU_RESERVE_MIB} MiB kept in reserve: {} MiB)",
+                self.mib
+            ),
+        }
+    }
+}
+
 /// The budget training on `device` is planned against, in MiB: `--max-memory` on the CPU;
 /// on a GPU also what its driver reports free, less [`GPU_RESERVE_MIB`], so that a step
 /// that would run out of GPU memory (an abort, not a slowdown) is planned smaller or
 /// refused before it starts. On a Jetson the GPU shares the board's memory, and the
 /// smaller of the two is the one that binds. `None`: nothing to plan against.
-pub fn training_budget_mib(device: &Device, max_memory: Option<u64>) -> Option<u64> {
+pub fn training_budget(device: &Device, max_memory: Option<u64>) -> Option<Budget> {
     budget_from(max_memory, gpu_memory(device))
 }
 
-fn budget_from(max_memory: Option<u64>, gpu: Option<GpuMemory>) -> Option<u64> {
-    let gpu = gpu.map(|g| (g.free_mib.max(0.0) as u64).saturating_sub(GPU_RESERVE_MIB));
+fn budget_from(max_memory: Option<u64>, gpu: Option<GpuMemory>) -> Option<Budget> {
+    let gpu = gpu.map(|g| {
+        let free_mib = g.free_mib.max(0.0) as u64;
+        Budget { mib: free_mib.saturating_sub(GPU_RESERVE_MIB), source: BudgetSource::GpuFree { free_mib } }
+    });
+    let max_memory = max_memory.map(Budget::from);
     match (max_memory, gpu) {
-        (Some(a), Some(b)) => Some(a.min(b)),
+        (Some(a), Some(b)) => Some(if b.mib < a.mib { b } else { a }),
         (a, b) => a.or(b),
     }
 }
@@ -130,16 +176,25 @@ mod tests {
         assert_eq!(gpu_memory(&Device::Cpu), None);
         assert_eq!(gpu_peak_mib(&Device::Cpu), None);
         reset_gpu_peak(&Device::Cpu);
-        assert_eq!(training_budget_mib(&Device::Cpu, Some(900)), Some(900));
-        assert_eq!(training_budget_mib(&Device::Cpu, None), None);
+        assert_eq!(training_budget(&Device::Cpu, Some(900)), Some(Budget::from(900)));
+        assert_eq!(training_budget(&Device::Cpu, None), None);
     }
 
     #[test]
     fn a_gpu_budget_is_its_free_memory_less_the_reserve_and_never_above_max_memory() {
         let card = |free_mib| Some(GpuMemory { free_mib, total_mib: 81_559.0 });
-        assert_eq!(budget_from(None, card(80_000.5)), Some(80_000 - GPU_RESERVE_MIB));
-        assert_eq!(budget_from(Some(4000), card(80_000.0)), Some(4000));
-        assert_eq!(budget_from(Some(90_000), card(6000.0)), Some(6000 - GPU_RESERVE_MIB));
-        assert_eq!(budget_from(None, card(100.0)), Some(0), "a full card leaves nothing, which the planner refuses");
+        let mib = |b: Option<Budget>| b.map(|b| b.mib);
+        assert_eq!(mib(budget_from(None, card(80_000.5))), Some(80_000 - GPU_RESERVE_MIB));
+        assert_eq!(budget_from(Some(4000), card(80_000.0)), Some(Budget::from(4000)));
+        assert_eq!(mib(budget_from(Some(90_000), card(6000.0))), Some(6000 - GPU_RESERVE_MIB));
+        assert_eq!(mib(budget_from(None, card(100.0))), Some(0), "a full card leaves nothing, which the planner refuses");
+    }
+
+    #[test]
+    fn a_budget_names_the_limit_that_binds() {
+        let card = |free_mib| Some(GpuMemory { free_mib, total_mib: 81_559.0 });
+        assert_eq!(budget_from(Some(1200), card(80_000.0)).unwrap().to_string(), "--max-memory 1200 MiB");
+        let gpu = budget_from(Some(90_000), card(6000.0)).unwrap().to_string();
+        assert!(gpu.starts_with("the GPU's free memory (6000 MiB") && gpu.ends_with(": 5744 MiB)"), "{gpu}");
     }
 }

@@ -10,5 +10,7 @@ pub mod planner;
 
 pub use footprint::{Estimate, ParamCounts, StepKernels, Workload, SAFETY_MARGIN, TOKENIZER_MIB};
 pub use generation::{generation_estimate, GenerationEstimate};
-pub use gpu::{gpu_memory, gpu_peak_mib, reset_gpu_peak, training_budget_mib, GpuMemory, GPU_RESERVE_MIB};
+pub use gpu::{
+    gpu_memory, gpu_peak_mib, reset_gpu_peak, training_budget, Budget, BudgetSource, GpuMemory, GPU_RESERVE_MIB,
+};
 pub use planner::{longest, plan, MemoryPlan, PlanError, PlanRequest, StartOnDisk};

@@ -105,13 +105,13 @@ impl fmt::Display for MemoryPlan {
 pub enum PlanError {
     /// Even the smallest configuration the request allows needs more.
     #[error(
-        "--max-memory {budget_mib} MiB cannot hold this training: the smallest configuration allowed here \
+        "{budget} cannot hold this training: the smallest configuration allowed here \
          ({smallest}) needs about {needed_mib:.0} MiB, of which {parameters_mib:.0} MiB are weights, \
          gradients and optimizer state.{hint}"
     )]
     DoesNotFit {
-        /// The budget.
-        budget_mib: u64,
+        /// The budget, and what set it.
+        budget: super::Budget,
         /// The smallest plan tried.
         smallest: String,
         /// Its estimate.
@@ -210,12 +210,14 @@ pub fn longest(pairs: &[TokenizedPair]) -> (usize, usize) {
     })
 }
 
-/// Fits `request` into `budget_mib`.
-pub fn plan(request: &PlanRequest, budget_mib: u64) -> Result<MemoryPlan, PlanError> {
+/// Fits `request` into `budget` (MiB of `--max-memory`, or a [`super::Budget`] naming
+/// what set it).
+pub fn plan(request: &PlanRequest, budget: impl Into<super::Budget>) -> Result<MemoryPlan, PlanError> {
+    let budget_of = budget.into();
     if request.batch_pairs == 0 || request.max_micro_batch_pairs == 0 || request.seq_len == 0 {
         return Err(PlanError::Invalid("batch pairs, micro-batch pairs and sequence length must be positive".into()));
     }
-    let budget = budget_mib as f64;
+    let budget = budget_of.mib as f64;
     let already_frozen = request.partition.freeze_embeddings;
     let mut freeze_options = vec![false];
     if request.may_freeze_embeddings && !already_frozen {
@@ -263,7 +265,7 @@ pub fn plan(request: &PlanRequest, budget_mib: u64) -> Result<MemoryPlan, PlanEr
         estimate_mib: smallest.peak_mib(),
     };
     Err(PlanError::DoesNotFit {
-        budget_mib,
+        budget: budget_of,
         smallest: smallest_plan.to_string().split(" (").next().unwrap_or_default().to_string(),
         needed_mib: smallest.peak_mib(),
         parameters_mib: smallest.parameters_mib,

@@ -13,7 +13,7 @@ impl Participant {
     /// before the model is downloaded. A model that cannot fit is an error: no later round
     /// of the job would fit either.
     pub(super) fn fit_memory(&mut self, plan: &RoundPlan) -> Result<(), ParticipantError> {
-        let Some(budget) = memory::training_budget_mib(&self.cfg.compute, self.cfg.max_memory_mib) else {
+        let Some(budget) = memory::training_budget(&self.cfg.compute, self.cfg.max_memory_mib) else {
             self.micro_batch_pairs = self.cfg.max_micro_batch_pairs;
             self.start_on_disk = self.cfg.start_on_disk;
             return Ok(());
@@ -43,7 +43,7 @@ impl Participant {
         if self.micro_batch_pairs != Some(fitted.micro_batch_pairs) || self.start_on_disk != fitted.start_on_disk {
             tracing::info!(
                 round = plan.round,
-                budget_mib = budget,
+                budget_mib = budget.mib,
                 plan = %fitted,
                 longest_sequence = request.seq_len,
                 longest_response = request.response_len,
