@@ -7,37 +7,46 @@ downlink's table in docs/benchmarks.md.
 
 Down is `bytes_down` (every device receives the round's broadcast), up is the mean of
 `bytes_up_by_device`; both are means over the training rounds, the first round's whole
-download included. Held-out accuracy is the closing evaluation's mean over devices.
+download included, and over seeds. Held-out accuracy is the closing evaluation's mean
+over devices, then its mean and standard deviation over seeds.
 """
+import statistics
 import json
 import pathlib
 import sys
 
 
 def runs(root):
+    """(study, run) -> the records of each seed's run."""
+    grouped = {}
     for metrics in sorted(pathlib.Path(root).glob("*/*/seed-*/metrics.jsonl")):
         records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-        yield metrics.parts[-4], metrics.parts[-3], records
+        if any(r.get("evaluation") for r in records):
+            grouped.setdefault((metrics.parts[-4], metrics.parts[-3]), []).append(records)
+    return grouped
+
+
+def mean(values):
+    return sum(values) / max(len(values), 1)
 
 
 def main(root):
-    print("| study | run | down B/device/round (round 1; later) | up B/device/round | held-out acc |")
-    print("|---|---|---|---|---|")
-    for study, run, records in runs(root):
-        training = [r for r in records if not r.get("evaluation")]
-        final = [r for r in records if r.get("evaluation")]
-        if not training or not final:
-            continue
-        down = sum(r["bytes_down"] for r in training) / len(training)
-        later = training[1:] or training
-        later_down = sum(r["bytes_down"] for r in later) / len(later)
-        ups = [v for r in training for v in r.get("bytes_up_by_device", {}).values()]
-        up = sum(ups) / max(len(ups), 1)
-        heldout = final[-1].get("heldout_acc", {})
-        acc = sum(heldout.values()) / max(len(heldout), 1)
+    print("| study | run | seeds | down B/device/round (round 1; later) | up B/device/round | held-out acc |")
+    print("|---|---|---|---|---|---|")
+    for (study, run), seeds in runs(root).items():
+        downs, firsts, laters, ups, accs = [], [], [], [], []
+        for records in seeds:
+            training = [r for r in records if not r.get("evaluation")]
+            final = [r for r in records if r.get("evaluation")][-1]
+            downs.append(mean([r["bytes_down"] for r in training]))
+            firsts.append(training[0]["bytes_down"])
+            laters.append(mean([r["bytes_down"] for r in training[1:] or training]))
+            ups.extend(v for r in training for v in r.get("bytes_up_by_device", {}).values())
+            accs.append(mean(list(final.get("heldout_acc", {}).values())))
+        spread = statistics.stdev(accs) if len(accs) > 1 else 0.0
         print(
-            f"| {study} | {run} | {down:,.0f} ({training[0]['bytes_down']:,}; {later_down:,.0f}) "
-            f"| {up:,.0f} | {acc:.3f} |"
+            f"| {study} | {run} | {len(seeds)} | {mean(downs):,.0f} ({mean(firsts):,.0f}; {mean(laters):,.0f}) "
+            f"| {mean(ups):,.0f} | {mean(accs):.3f} ± {spread:.3f} |"
         )
 
 
