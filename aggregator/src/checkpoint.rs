@@ -136,7 +136,12 @@ impl CheckpointDir {
     /// Saves a round: whole on return (a killed process resumes from it), on disk once
     /// [`CheckpointDir::wait_durable`] returns or the next save starts. `public`: the
     /// downlink's public model, which `state.downlink` describes.
-    pub(crate) fn save(&mut self, model: &GlobalModel, state: &ServerState, public: Option<&GlobalModel>) -> Result<()> {
+    pub(crate) fn save(
+        &mut self,
+        model: &GlobalModel,
+        state: &ServerState,
+        public: Option<&GlobalModel>,
+    ) -> Result<()> {
         // The slot about to be rewritten belongs to the state before the current one; the
         // current pair must be on disk before that state is given up.
         self.wait_durable()?;
@@ -510,7 +515,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mut ckpt = CheckpointDir::new(dir.path());
         let global = model(0.5);
-        let public = GlobalModel::new(global.spec.clone(), vec![GlobalTensor { values: vec![0.4, -0.4], ..global.tensors[0].clone() }]);
+        let public = GlobalModel::new(
+            global.spec.clone(),
+            vec![GlobalTensor { values: vec![0.4, -0.4], ..global.tensors[0].clone() }],
+        );
         let digest = hex::encode(crate::downlink::public_digest(&global, &public));
         let with_public = |round| ServerState {
             downlink: Some(DownlinkRecord { public_digest: digest.clone(), public_file: String::new() }),

@@ -127,7 +127,8 @@ impl DownlinkStream {
             .enumerate()
             .skip(first)
             .map(|(i, s)| {
-                let section = if i == newest { String::new() } else { format!("{}{}", fedpo_wire::DOWNLINK_SECTION, s.round) };
+                let section =
+                    if i == newest { String::new() } else { format!("{}{}", fedpo_wire::DOWNLINK_SECTION, s.round) };
                 (DeltaStep { base: s.base.clone(), section: section.clone() }, (section, s.payload.clone()))
             })
             .unzip();

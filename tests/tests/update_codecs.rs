@@ -34,8 +34,17 @@ fn run(dir: &Path, codec: &str, rounds: u64, devices: usize, fake: bool) -> Job 
     let out = dir.join("aggregator");
     let rounds_arg = rounds.to_string();
     // The whole model down every round: the test reads each round's model off the wire.
-    let extra =
-        ["--rounds", &rounds_arg, "--local-steps", "1", "--no-final-eval", "--update-codec", codec, "--downlink-codec", "full"];
+    let extra = [
+        "--rounds",
+        &rounds_arg,
+        "--local-steps",
+        "1",
+        "--no-final-eval",
+        "--update-codec",
+        codec,
+        "--downlink-codec",
+        "full",
+    ];
     let args = common::serve_args(&url, JOB, &out, &extra);
     let aggregator = std::thread::spawn(move || fedpo_aggregator::run_cli(args));
     let fake = fake.then(|| FakeDevice::join(&url, JOB, "dev-x"));

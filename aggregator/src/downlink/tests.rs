@@ -7,9 +7,15 @@ const N: usize = 600;
 
 /// A model with one frozen tensor and two shared ones, the shared values shifted by `t`.
 fn model(t: f32) -> GlobalModel {
-    let spec = PolicySpec { config: Gpt2Config::tiny(), lora: None, partition: Partition::new(PartitionPreset::Feddpo) };
+    let spec =
+        PolicySpec { config: Gpt2Config::tiny(), lora: None, partition: Partition::new(PartitionPreset::Feddpo) };
     let wave = |phase: f32, n: usize| (0..n).map(|i| ((i as f32) * 0.37 + phase).sin() * 0.1).collect::<Vec<_>>();
-    let tensor = |name: &str, values: Vec<f32>, shared| GlobalTensor { name: name.into(), shape: vec![values.len()], values, shared };
+    let tensor = |name: &str, values: Vec<f32>, shared| GlobalTensor {
+        name: name.into(),
+        shape: vec![values.len()],
+        values,
+        shared,
+    };
     GlobalModel::new(
         spec,
         vec![

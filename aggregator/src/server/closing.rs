@@ -7,8 +7,8 @@ use anyhow::Result;
 use fedpo_wire::{RoundResult, UpdateMetrics};
 
 use super::{Aggregator, OpenRound};
-use crate::combined_update::CombinedUpdate;
 use crate::checkpoint::DownlinkRecord;
+use crate::combined_update::CombinedUpdate;
 use crate::diagnostics::Diagnostics;
 use crate::downlink::DownlinkStream;
 use crate::metrics::{mean, RoundRecord};
@@ -121,10 +121,11 @@ impl Aggregator {
             self.state.strategy_state = self.strategy.state()?;
             self.state.client_term_state = self.client_term.state()?;
             let public = self.downlink.as_ref().and_then(DownlinkStream::public);
-            self.state.downlink = self.downlink.as_ref().filter(|s| s.public().is_some()).map(|s| DownlinkRecord {
-                public_digest: hex::encode(s.digest()),
-                public_file: String::new(),
-            });
+            self.state.downlink = self
+                .downlink
+                .as_ref()
+                .filter(|s| s.public().is_some())
+                .map(|s| DownlinkRecord { public_digest: hex::encode(s.digest()), public_file: String::new() });
             self.checkpoints.save(&self.global, &self.state, public)?;
             tracing::debug!(
                 aggregate_s = format_args!("{:.3}", (aggregated - closing).as_secs_f64()),

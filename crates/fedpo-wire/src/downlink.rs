@@ -21,10 +21,10 @@ use std::collections::{BTreeMap, HashMap};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, WireError};
+use crate::in_place_decode::f32_ranges;
 use crate::limits::Limits;
 use crate::message::{check_digest_len, Manifest, RoundPlan};
 use crate::update_codec::UpdateCodec;
-use crate::in_place_decode::f32_ranges;
 use crate::wire_tensor::TensorPayload;
 
 /// Prefix of the plan sections that carry the older steps of a chain.
@@ -184,7 +184,8 @@ mod tests {
         let old = model(wave(100, 0.0), wave(30, 1.0));
         let mut held = full(&old);
         for codec in [UpdateCodec::F32, UpdateCodec::Int8, UpdateCodec::TopK(0.1), UpdateCodec::Bf16] {
-            let current: Vec<f32> = TensorPayload::from_bytes(&held, &Limits::default(), true).unwrap().tensors[1].values();
+            let current: Vec<f32> =
+                TensorPayload::from_bytes(&held, &Limits::default(), true).unwrap().tensors[1].values();
             let target = wave(100, 0.5);
             let diff: Vec<f32> = target.iter().zip(&current).map(|(t, c)| t - c).collect();
             let delta = TensorPayload::compress([&T("h.0.attn.w", vec![4, 25], diff)], codec);
@@ -238,7 +239,8 @@ mod tests {
 
     #[test]
     fn a_plan_whose_downlink_does_not_match_its_sections_is_refused() {
-        let m = |t: &str| crate::Manifest { transfer: t.into(), bytes: 0, chunks: 1, digest: vec![0; 32], tensors: vec![] };
+        let m =
+            |t: &str| crate::Manifest { transfer: t.into(), bytes: 0, chunks: 1, digest: vec![0; 32], tensors: vec![] };
         let sections = BTreeMap::from([("downlink.4".to_string(), m("r5/downlink.4"))]);
         let step = |section: &str| DeltaStep { base: vec![1; 32], section: section.into() };
         let downlink = |steps| Downlink { codec: UpdateCodec::Int8, steps, model: vec![2; 32] };

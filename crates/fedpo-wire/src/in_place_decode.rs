@@ -95,7 +95,9 @@ pub(crate) fn f32_ranges(bytes: &[u8], limits: &Limits) -> Result<Vec<(String, V
             if t.dtype != WireDType::F32 {
                 return Err(WireError::Malformed(format!("tensor `{}` is {}, not f32", t.name, t.dtype)));
             }
-            if crate::wire_tensor::byte_bounds(&t.shape, WireDType::F32) != Some((t.data.len() as u64, t.data.len() as u64)) {
+            if crate::wire_tensor::byte_bounds(&t.shape, WireDType::F32)
+                != Some((t.data.len() as u64, t.data.len() as u64))
+            {
                 return Err(WireError::Malformed(format!(
                     "tensor `{}` holds {} bytes, which its shape {:?} does not account for",
                     t.name,

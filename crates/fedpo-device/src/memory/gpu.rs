@@ -187,7 +187,11 @@ mod tests {
         assert_eq!(mib(budget_from(None, card(80_000.5))), Some(80_000 - GPU_RESERVE_MIB));
         assert_eq!(budget_from(Some(4000), card(80_000.0)), Some(Budget::from(4000)));
         assert_eq!(mib(budget_from(Some(90_000), card(6000.0))), Some(6000 - GPU_RESERVE_MIB));
-        assert_eq!(mib(budget_from(None, card(100.0))), Some(0), "a full card leaves nothing, which the planner refuses");
+        assert_eq!(
+            mib(budget_from(None, card(100.0))),
+            Some(0),
+            "a full card leaves nothing, which the planner refuses"
+        );
     }
 
     #[test]

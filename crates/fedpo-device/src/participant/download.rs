@@ -6,9 +6,9 @@ use std::path::Path;
 
 use fedpo_wire::{apply_delta, Bundle, BundleBytes, Downlink, KeptBundle, Limits, RoundPlan, TensorPayload};
 
+use crate::error::ParticipantError;
 use crate::memory;
 use crate::state_dir::{read_latest_model, StateDir};
-use crate::error::ParticipantError;
 
 /// Checks a plan's transfers against the model its spec describes before any byte of
 /// them is stored: the model at most every parameter in f32, each section (SCAFFOLD's
@@ -98,7 +98,10 @@ pub(super) fn rebuild(
         let delta = if step.section.is_empty() {
             std::mem::take(&mut bytes.main)
         } else {
-            bytes.sections.remove(&step.section).ok_or_else(|| refuse(format!("section `{}` did not arrive", step.section)))?
+            bytes
+                .sections
+                .remove(&step.section)
+                .ok_or_else(|| refuse(format!("section `{}` did not arrive", step.section)))?
         };
         let delta = TensorPayload::from_shared(delta, limits, true)?;
         apply_delta(&mut model, &delta, limits).map_err(|e| refuse(e.to_string()))?;
