@@ -18,43 +18,14 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use serde::{Deserialize, Serialize};
-
 use crate::error::{Result, WireError};
 use crate::in_place_decode::f32_ranges;
 use crate::limits::Limits;
-use crate::message::{check_digest_len, Manifest, RoundPlan};
-use crate::update_codec::UpdateCodec;
+use crate::message::{check_digest_len, DeltaStep, Downlink, Manifest, RoundPlan};
 use crate::wire_tensor::TensorPayload;
 
 /// Prefix of the plan sections that carry the older steps of a chain.
 pub const DOWNLINK_SECTION: &str = "downlink.";
-
-/// A plan's downlink: its model transfer (and the sections named by its steps) holds
-/// deltas, not the model.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Downlink {
-    /// The codec of the deltas.
-    pub codec: UpdateCodec,
-    /// The steps, oldest first. The newest is the plan's `global_model` transfer; each
-    /// older one is the section it names.
-    pub steps: Vec<DeltaStep>,
-    /// Digest of the model the whole chain yields, as a full f32 payload: what a device
-    /// verifies and then trains from.
-    #[serde(with = "serde_bytes")]
-    pub model: Vec<u8>,
-}
-
-/// One step of a downlink chain.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct DeltaStep {
-    /// Digest of the full model payload this step applies to.
-    #[serde(with = "serde_bytes")]
-    pub base: Vec<u8>,
-    /// The plan section holding it; empty for the newest step, which is the plan's
-    /// `global_model` transfer.
-    pub section: String,
-}
 
 impl Downlink {
     /// Checks a received downlink against its plan's sections: at least one step, digests
@@ -151,6 +122,7 @@ pub fn apply_delta(model: &mut [u8], delta: &TensorPayload, limits: &Limits) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::update_codec::UpdateCodec;
     use crate::wire_tensor::{ToWire, WireDType};
     use crate::{digest, EncodedPayload, DEFAULT_CHUNK_BYTES};
 

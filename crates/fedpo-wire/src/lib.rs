@@ -33,13 +33,13 @@ pub use bytes::Bytes;
 pub use chunk::{split_payload, Reassembler, ReassemblyProgress};
 pub use chunked_encoder::EncodedPayload;
 pub use digest::{digest, DIGEST_BYTES};
-pub use downlink::{apply_delta, DeltaStep, Downlink, DOWNLINK_SECTION};
+pub use downlink::{apply_delta, DOWNLINK_SECTION};
 pub use error::{Result, WireError};
 pub use kept::{KeptBundle, KeptTransfer};
 pub use limits::{Limits, DEFAULT_CHUNK_BYTES, MAX_ROUND};
 pub use message::{
-    check_sections, DeviceBye, DeviceHello, Hyperparameters, Manifest, Message, RoundDeclined, RoundPlan, RoundResult,
-    TensorInfo, TransferChunk, Update, UpdateMetrics, MAX_SECTIONS, PROTOCOL_VERSION,
+    check_sections, DeltaStep, DeviceBye, DeviceHello, Downlink, Hyperparameters, Manifest, Message, RoundDeclined,
+    RoundPlan, RoundResult, TensorInfo, TransferChunk, Update, UpdateMetrics, MAX_SECTIONS, PROTOCOL_VERSION,
 };
 pub use packed::INT8_BLOCK;
 pub use secagg_messages::{SecAggMessage, SecAggPlan};

@@ -224,7 +224,33 @@ pub struct RoundPlan {
     /// The compressed downlink: when present, `global_model` (and the sections its steps
     /// name) carry deltas against models devices hold, not the model itself.
     #[serde(default)]
-    pub downlink: Option<crate::downlink::Downlink>,
+    pub downlink: Option<Downlink>,
+}
+
+/// A plan's downlink: its model transfer (and the sections named by its steps) holds
+/// deltas, not the model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Downlink {
+    /// The codec of the deltas.
+    pub codec: crate::update_codec::UpdateCodec,
+    /// The steps, oldest first. The newest is the plan's `global_model` transfer; each
+    /// older one is the section it names.
+    pub steps: Vec<DeltaStep>,
+    /// Digest of the model the whole chain yields, as a full f32 payload: what a device
+    /// verifies and then trains from.
+    #[serde(with = "serde_bytes")]
+    pub model: Vec<u8>,
+}
+
+/// One step of a downlink chain.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DeltaStep {
+    /// Digest of the full model payload this step applies to.
+    #[serde(with = "serde_bytes")]
+    pub base: Vec<u8>,
+    /// The plan section holding it; empty for the newest step, which is the plan's
+    /// `global_model` transfer.
+    pub section: String,
 }
 
 /// What a device measured in its local round.
