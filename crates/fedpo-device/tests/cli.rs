@@ -206,6 +206,7 @@ fn compute_dtype_auto_takes_bf16_exactly_where_the_cpu_multiplies_it_natively() 
     let expected = if engine.is_native() { "bf16" } else { "f32" };
     assert_eq!(report["compute_dtype"], expected, "engine {engine:?}");
     assert_eq!(report["bf16_engine"], format!("{engine:?}"));
+    assert_eq!(report["f16_engine"], format!("{:?}", fedpo_model::ops::F16Engine::detect()));
     assert!(stderr(&o).contains("--compute-dtype auto"), "the choice is logged: {}", stderr(&o));
 }
 

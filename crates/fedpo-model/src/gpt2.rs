@@ -307,6 +307,7 @@ impl Gpt2 {
     pub fn compute_dtype(&self) -> DType {
         match self.matmuls {
             ops::MatmulPrecision::Bf16 => DType::BF16,
+            ops::MatmulPrecision::F16 => DType::F16,
             ops::MatmulPrecision::F32 => self.compute,
         }
     }
@@ -314,14 +315,17 @@ impl Gpt2 {
     /// Mixed precision, with parameters, their gradients, layer norms, softmax and the
     /// logits in the master dtype.
     ///
-    /// bf16 over f32 parameters on the CPU keeps the activations in f32 and the fused
-    /// kernels, and rounds only the large matmuls' operands to bf16 (f32 accumulation, see
-    /// [`ops::MatmulPrecision`]). Elsewhere, and for f16, activations and matmuls run in
-    /// `compute` through candle's ops.
+    /// bf16 or f16 over f32 parameters on the CPU keeps the activations in f32 and the
+    /// fused kernels, and rounds only the large matmuls' operands (f32 accumulation, see
+    /// [`ops::MatmulPrecision`]). Elsewhere activations and matmuls run in `compute`
+    /// through candle's ops.
     pub fn set_compute_dtype(&mut self, compute: DType) {
-        let bf16_matmuls = compute == DType::BF16 && self.dtype == DType::F32 && self.device.is_cpu();
-        (self.compute, self.matmuls) =
-            if bf16_matmuls { (DType::F32, ops::MatmulPrecision::Bf16) } else { (compute, ops::MatmulPrecision::F32) };
+        let packed = self.dtype == DType::F32 && self.device.is_cpu();
+        (self.compute, self.matmuls) = match compute {
+            DType::BF16 if packed => (DType::F32, ops::MatmulPrecision::Bf16),
+            DType::F16 if packed => (DType::F32, ops::MatmulPrecision::F16),
+            _ => (compute, ops::MatmulPrecision::F32),
+        };
     }
 
     /// The matmul precision this model's passes run at.

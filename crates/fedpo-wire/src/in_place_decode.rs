@@ -81,10 +81,13 @@ impl TensorPayload {
     }
 }
 
+/// One tensor of an f32 payload in place: name, shape, and the byte range of its values.
+pub(crate) type F32Range = (String, Vec<u64>, std::ops::Range<usize>);
+
 /// Where each tensor of an all-f32 payload keeps its values in `bytes`: name, shape and
 /// byte range, checked against `limits` and against each tensor's shape. What a downlink
 /// delta is added onto in place ([`crate::apply_delta`]).
-pub(crate) fn f32_ranges(bytes: &[u8], limits: &Limits) -> Result<Vec<(String, Vec<u64>, std::ops::Range<usize>)>> {
+pub(crate) fn f32_ranges(bytes: &[u8], limits: &Limits) -> Result<Vec<F32Range>> {
     TensorPayload::check_size(bytes.len(), limits)?;
     let view: PayloadView<'_> = serde_cbor::from_slice(bytes).map_err(|e| WireError::Malformed(e.to_string()))?;
     check_count(view.tensors.len(), limits)?;

@@ -45,11 +45,12 @@ pub(crate) struct ModelArgs {
     /// Seed of the model's random initialisation and of the data order.
     #[arg(long, default_value_t = 0)]
     pub(crate) seed: u64,
-    /// Precision of the matmuls: f32; bf16 (on the CPU: bf16 operands, f32 accumulation
-    /// and activations; elsewhere bf16 activations too); f16 (f16 matmuls and
-    /// activations); or auto, bf16 where the CPU multiplies bf16 natively (AMX or
-    /// AVX512-BF16), else f32. Parameters, gradients, layer norms, softmax and logits
-    /// stay f32 throughout.
+    /// Precision of the matmuls: f32; bf16 or f16 (on the CPU: the matmuls' operands
+    /// rounded, f32 accumulation and activations; elsewhere half-precision activations
+    /// too); or auto, bf16 where the CPU multiplies bf16 natively (AMX or AVX512-BF16),
+    /// else f32. f16 runs on FP16 arithmetic on aarch64 CPUs that have it (Cortex-A76,
+    /// A78), elsewhere emulated at f32's speed; auto does not pick it. Parameters,
+    /// gradients, layer norms, softmax and logits stay f32 throughout.
     #[arg(long, default_value = "f32", value_parser = parse_compute_dtype)]
     pub(crate) compute_dtype: ComputeDtype,
 }
@@ -67,14 +68,17 @@ impl ComputeDtype {
     /// The dtype a model on `device` computes in. `auto` takes bf16 on a CPU with AMX or
     /// AVX512-BF16, where its step is faster than f32's and the accuracy guards bound its
     /// error; f32 on other CPUs, where bf16 would be emulated at f32 speed, and on GPUs,
-    /// where bf16 has not been measured against f32.
+    /// where bf16 has not been measured against f32. Never f16: its kernel for aarch64's
+    /// FP16 arithmetic is tested for correctness under emulation, but its speed on a board
+    /// has not been measured.
     pub(crate) fn on(self, device: &Device) -> DType {
         match self {
             Self::Fixed(dtype) => dtype,
             Self::Auto => {
                 let engine = fedpo_model::ops::Bf16Engine::detect();
                 let dtype = if device.is_cpu() && engine.is_native() { DType::BF16 } else { DType::F32 };
-                tracing::info!(chose = ?dtype, bf16_engine = ?engine, cpu = device.is_cpu(), "--compute-dtype auto");
+                let f16_engine = fedpo_model::ops::F16Engine::detect();
+                tracing::info!(chose = ?dtype, bf16_engine = ?engine, ?f16_engine, cpu = device.is_cpu(), "--compute-dtype auto");
                 dtype
             }
         }

@@ -37,10 +37,10 @@ pub const SAFETY_MARGIN: f64 = 1.15;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StepKernels {
     /// One op per block, the head fused with its log-softmax, attention keeping nothing
-    /// for backward: f32 (or f64) on the CPU, and bf16 there too (f32 activations, bf16
-    /// matmul operands packed per product).
+    /// for backward: f32 (or f64) on the CPU, and bf16 and f16 there too (f32 activations,
+    /// half-precision matmul operands packed per product).
     Fused,
-    /// candle's ops one by one: half-precision compute, and every device but the CPU.
+    /// candle's ops one by one: every device but the CPU.
     Composed,
 }
 
@@ -48,7 +48,7 @@ impl StepKernels {
     /// The kernels a model on `device` computing in `compute_dtype` trains with (the
     /// condition `fedpo_model`'s fused block checks; see `Gpt2::set_compute_dtype`).
     pub fn for_run(device: &Device, compute_dtype: DType) -> Self {
-        if device.is_cpu() && matches!(compute_dtype, DType::F32 | DType::F64 | DType::BF16) {
+        if device.is_cpu() && matches!(compute_dtype, DType::F32 | DType::F64 | DType::BF16 | DType::F16) {
             Self::Fused
         } else {
             Self::Composed

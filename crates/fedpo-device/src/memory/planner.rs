@@ -499,6 +499,6 @@ mod tests {
         assert!(at(&composed) > 2.0 * at(&fused), "{} vs {}", at(&composed), at(&fused));
         assert_eq!(StepKernels::for_run(&candle_core::Device::Cpu, candle_core::DType::F32), StepKernels::Fused);
         assert_eq!(StepKernels::for_run(&candle_core::Device::Cpu, candle_core::DType::BF16), StepKernels::Fused);
-        assert_eq!(StepKernels::for_run(&candle_core::Device::Cpu, candle_core::DType::F16), StepKernels::Composed);
+        assert_eq!(StepKernels::for_run(&candle_core::Device::Cpu, candle_core::DType::F16), StepKernels::Fused);
     }
 }

@@ -20,9 +20,9 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Shape, Tensor, WithDType};
 use rayon::prelude::*;
 
-use super::bf16_gemm::MatmulPrecision;
 use super::fast_math::FastExp;
 use super::fork::Forks;
+use super::matmul_precision::MatmulPrecision;
 use super::query_blocks::{query_blocks, QueryBlock, MAX_ROWS};
 use super::send_ptr::SendPtr;
 use super::strided_gemm::gemm_into;

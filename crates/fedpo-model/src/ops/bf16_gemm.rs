@@ -14,47 +14,7 @@
 //!   the same numbers as the hardware (a product of two bf16 is exact in f32), no faster
 //!   than f32. `--compute-dtype auto` does not pick bf16 on such a CPU.
 //!
-//! Whether a model's matmuls take this path is [`MatmulPrecision`], set for the duration
-//! of a forward or backward pass by [`MatmulPrecision::scope`] on the thread that runs it.
-
-use std::cell::Cell;
-
-/// The precision of the operands of a model's large f32 matmuls.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum MatmulPrecision {
-    /// f32 operands (the default).
-    #[default]
-    F32,
-    /// Operands rounded to bf16, products accumulated in f32.
-    Bf16,
-}
-
-thread_local! {
-    static PRECISION: Cell<MatmulPrecision> = const { Cell::new(MatmulPrecision::F32) };
-}
-
-/// Restores the thread's previous precision when dropped.
-#[must_use = "the precision holds only while the guard lives"]
-pub struct PrecisionScope(MatmulPrecision);
-
-impl Drop for PrecisionScope {
-    fn drop(&mut self) {
-        PRECISION.with(|p| p.set(self.0));
-    }
-}
-
-impl MatmulPrecision {
-    /// Runs this thread's matmuls at `self` until the guard drops. The fused ops read it
-    /// on the thread that calls them, before they fan out over rayon.
-    pub fn scope(self) -> PrecisionScope {
-        PrecisionScope(PRECISION.with(|p| p.replace(self)))
-    }
-
-    /// The precision in force on this thread.
-    pub fn current() -> Self {
-        PRECISION.with(Cell::get)
-    }
-}
+//! Whether a model's matmuls take this path is [`super::MatmulPrecision`].
 
 /// The kernel that multiplies bf16 operands.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -113,20 +73,6 @@ impl Bf16Engine {
     }
 }
 
-/// The inner dimension is cut into slices of this many, so a pack of the left operand
-/// never grows with it (the head's `e @ wte` runs 50,257 deep).
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-pub(super) const KC: usize = 4096;
-
-/// Whether `gemm_into` should hand an `(m, n, k)` f32 product to the bf16 engines: at
-/// bf16 precision, every product with at least a tile's 16 rows and columns and 32-deep
-/// inner dimension. Thinner ones (a LoRA factor's rank-8 side, a decoded token's single
-/// row) would be mostly padding and stay f32; so do attention's per-head products, whose
-/// caller asks for f32.
-pub(super) fn takes(precision: MatmulPrecision, (m, n, k): (usize, usize, usize)) -> bool {
-    precision == MatmulPrecision::Bf16 && m >= 16 && n >= 16 && k >= 32
-}
-
 /// `[rows, cols]` of an f32 operand given by strides, each element rounded to bf16
 /// (nearest, ties to even) and widened back: the emulated engine's operands, row-major.
 ///
@@ -146,9 +92,10 @@ mod native {
     use rayon::prelude::*;
 
     use super::super::bf16_kernels::{amx_block, avx512_block, Tiles, BLOCK};
-    use super::super::bf16_pack::{pack_rows, pack_strips, Operand};
+    use super::super::bf16_pack::{pack_rows, pack_strips};
+    use super::super::operand::Operand;
+    use super::super::operand::KC;
     use super::super::send_ptr::SendPtr;
-    use super::KC;
 
     /// One 32 x 32 block on the chosen kernel.
     ///
@@ -265,6 +212,3 @@ mod native {
         }
     }
 }
-
-#[cfg(test)]
-mod tests;

@@ -14,27 +14,7 @@
 //! needs AVX512-BF16 (the engines that use the packs check for it).
 
 use super::bf16_kernels::{round_16, round_interleaved_16, BLOCK};
-
-/// An f32 matrix operand: where element `(0, 0)` is, its (row, column) strides and its
-/// extent.
-#[derive(Clone, Copy)]
-pub(super) struct Operand {
-    pub ptr: *const f32,
-    pub row_stride: usize,
-    pub col_stride: usize,
-    pub rows: usize,
-    pub cols: usize,
-}
-
-impl Operand {
-    /// # Safety
-    /// `(i, j)` is inside the operand.
-    #[inline(always)]
-    unsafe fn at(&self, i: usize, j: usize) -> f32 {
-        // SAFETY: the caller's contract.
-        unsafe { *self.ptr.add(i * self.row_stride + j * self.col_stride) }
-    }
-}
+use super::operand::Operand;
 
 #[inline(always)]
 fn bits(x: f32) -> u16 {

@@ -51,6 +51,10 @@ mod bf16_pack;
 mod block;
 #[cfg(feature = "cuda")]
 mod cuda;
+mod f16_gemm;
+#[cfg(target_arch = "aarch64")]
+mod f16_kernels;
+mod f16_pack;
 mod fast_math;
 mod fork;
 mod gelu;
@@ -59,8 +63,10 @@ mod layer_norm;
 mod linear;
 mod masks;
 mod matmul_frozen;
+mod matmul_precision;
 mod matvec;
 pub mod multiversion;
+mod operand;
 mod parallel_fill;
 mod projection;
 mod query_blocks;
@@ -77,13 +83,15 @@ use candle_core::{CpuStorage, Layout, Tensor, WithDType, D};
 pub use attention::{
     causal_self_attention, causal_self_attention_composed, forked_self_attention, forked_self_attention_composed,
 };
-pub use bf16_gemm::{Bf16Engine, MatmulPrecision, PrecisionScope};
+pub use bf16_gemm::Bf16Engine;
 pub use block::{fused_block, Adapter, BlockGradients, BlockWeights, Projection};
+pub use f16_gemm::F16Engine;
 pub use fork::{Fork, Forks};
 pub use gelu::gelu_new;
 pub use layer_norm::layer_norm;
 pub use linear::linear_bias;
 pub use matmul_frozen::matmul_frozen_rhs;
+pub use matmul_precision::{MatmulPrecision, PrecisionScope};
 pub use matvec::{rows_times_table, rows_times_weight, MATVEC_MAX_ROWS};
 pub use softmax::{causal_softmax, softmax_last_dim};
 pub use strided_gemm::matmul;

@@ -11,14 +11,19 @@ use candle_core::{CpuStorage, CustomOp2, DType, InplaceOp3, Layout, Shape, Tenso
 
 use rayon::prelude::*;
 
-use super::bf16_gemm::{self, Bf16Engine, MatmulPrecision};
+use super::bf16_gemm::{self, Bf16Engine};
+use super::f16_gemm::F16Engine;
+use super::f16_pack::{rounded_copy, Lanes};
+use super::matmul_precision::{self, MatmulPrecision};
+use super::operand::Operand;
 use super::send_ptr::SendPtr;
 use super::{contiguous_slice, CResult};
 
 /// `dst[m x n] = scale * lhs @ rhs`, or with `accumulate`, `dst += scale * lhs @ rhs`;
 /// each operand is a pointer with its (row, column) strides. `threads > 1` splits the work
 /// over rayon (see [`split_over_threads`]). An f32 product at `MatmulPrecision::Bf16`
-/// large enough to gain goes to [`bf16_product`] instead.
+/// large enough to gain goes to [`half_product`] instead; so does one at
+/// `MatmulPrecision::F16`.
 ///
 /// # Safety
 /// Every element the strides address must lie inside its buffer, `dst` must not alias the
@@ -37,11 +42,15 @@ pub(super) unsafe fn gemm_into<T: WithDType>(
     threads: usize,
     precision: MatmulPrecision,
 ) {
-    if T::DTYPE == DType::F32 && bf16_gemm::takes(precision, (m, n, k)) {
+    if T::DTYPE == DType::F32 && matmul_precision::takes(precision, (m, n, k)) {
+        let engine = match precision {
+            MatmulPrecision::F16 => HalfEngine::F16(F16Engine::detect()),
+            _ => HalfEngine::Bf16(Bf16Engine::detect()),
+        };
         // SAFETY: T is f32 (checked), so the casts are identities; the contract is ours.
         unsafe {
-            bf16_product(
-                Bf16Engine::detect(),
+            half_product(
+                engine,
                 (m, n, k),
                 dst.cast(),
                 dst_rs,
@@ -150,15 +159,23 @@ pub(super) unsafe fn gemm_into<T: WithDType>(
     }
 }
 
-/// `dst[m x n] (+)= scale * lhs @ rhs` with both operands rounded to bf16, on `engine`:
-/// the packed kernels where the CPU has them, else the rounded operands through this
-/// file's f32 gemm (the same numbers at f32's speed). Arguments as [`gemm_into`]'s.
+/// The engine of a half-precision product: bf16 or f16 operands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum HalfEngine {
+    Bf16(Bf16Engine),
+    F16(F16Engine),
+}
+
+/// `dst[m x n] (+)= scale * lhs @ rhs` with both operands rounded to bf16 or f16, on
+/// `engine`: the packed kernels where the CPU has them, else the rounded operands through
+/// this file's f32 gemm (f32 accumulation, at f32's speed). Arguments as [`gemm_into`]'s.
 ///
 /// # Safety
-/// As [`gemm_into`]'s, for f32; `engine` is one [`Bf16Engine::available`] lists.
+/// As [`gemm_into`]'s, for f32; `engine` is one [`Bf16Engine::available`] or
+/// [`F16Engine::available`] lists.
 #[allow(clippy::too_many_arguments)]
-unsafe fn bf16_product(
-    engine: Bf16Engine,
+unsafe fn half_product(
+    engine: HalfEngine,
     (m, n, k): (usize, usize, usize),
     dst: *mut f32,
     dst_rs: usize,
@@ -170,38 +187,43 @@ unsafe fn bf16_product(
     scale: f32,
     threads: usize,
 ) {
-    match engine {
+    let a = Operand { ptr: lhs, row_stride: lhs_strides.0, col_stride: lhs_strides.1, rows: m, cols: k };
+    let b = Operand { ptr: rhs, row_stride: rhs_strides.0, col_stride: rhs_strides.1, rows: k, cols: n };
+    // The emulations' rounded operands, row-major [m, k] and as [k, n] with strides.
+    // SAFETY (all arms): the operands' strides address [m, k] and [k, n] (the caller's
+    // contract); the engine is one this CPU runs.
+    let (a, b, b_strides) = match engine {
         #[cfg(target_arch = "x86_64")]
-        Bf16Engine::Amx | Bf16Engine::Avx512Bf16 => {
-            use super::bf16_pack::Operand;
+        HalfEngine::Bf16(engine @ (Bf16Engine::Amx | Bf16Engine::Avx512Bf16)) => {
             let amx = engine == Bf16Engine::Amx;
-            let a = Operand { ptr: lhs, row_stride: lhs_strides.0, col_stride: lhs_strides.1, rows: m, cols: k };
-            let b = Operand { ptr: rhs, row_stride: rhs_strides.0, col_stride: rhs_strides.1, rows: k, cols: n };
-            // SAFETY: the caller's contract; the engine is one the CPU runs.
-            unsafe { bf16_gemm::native_gemm(amx, a, b, (dst, dst_rs), accumulate, scale, threads) }
+            return unsafe { bf16_gemm::native_gemm(amx, a, b, (dst, dst_rs), accumulate, scale, threads) };
         }
-        _ => {
-            // SAFETY: the operands' strides address [m, k] and [k, n] (the caller's contract).
-            let (a, b) = unsafe {
-                (bf16_gemm::rounded_copy(lhs, lhs_strides, m, k), bf16_gemm::rounded_copy(rhs, rhs_strides, k, n))
-            };
-            // SAFETY: a and b are row-major [m, k] and [k, n]; dst is the caller's.
-            unsafe {
-                gemm_into(
-                    (m, n, k),
-                    dst,
-                    dst_rs,
-                    accumulate,
-                    a.as_ptr(),
-                    (k, 1),
-                    b.as_ptr(),
-                    (n, 1),
-                    scale,
-                    threads,
-                    MatmulPrecision::F32,
-                )
-            }
+        #[cfg(target_arch = "aarch64")]
+        HalfEngine::F16(F16Engine::NeonFp16) => {
+            return unsafe { super::f16_gemm::native_gemm(a, b, (dst, dst_rs), accumulate, scale, threads) };
         }
+        HalfEngine::Bf16(_) => unsafe {
+            (bf16_gemm::rounded_copy(lhs, lhs_strides, m, k), bf16_gemm::rounded_copy(rhs, rhs_strides, k, n), (n, 1))
+        },
+        HalfEngine::F16(_) => unsafe {
+            (rounded_copy(&Lanes::rows_of(&a)), rounded_copy(&Lanes::columns_of(&b)), (1, k))
+        },
+    };
+    // SAFETY: a is row-major [m, k], b is [k, n] at b_strides; dst is the caller's.
+    unsafe {
+        gemm_into(
+            (m, n, k),
+            dst,
+            dst_rs,
+            accumulate,
+            a.as_ptr(),
+            (k, 1),
+            b.as_ptr(),
+            b_strides,
+            scale,
+            threads,
+            MatmulPrecision::F32,
+        )
     }
 }
 
@@ -568,6 +590,9 @@ impl InplaceOp3 for AddMatmulTn {
 
 #[cfg(test)]
 mod bf16_tests;
+
+#[cfg(test)]
+mod f16_tests;
 
 #[cfg(test)]
 mod tests {

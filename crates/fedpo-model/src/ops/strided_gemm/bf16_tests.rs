@@ -1,8 +1,8 @@
-//! The bf16 products `gemm_into` hands to [`bf16_product`]: every engine this machine runs
+//! The bf16 products `gemm_into` hands to [`half_product`]: every engine this machine runs
 //! against the definition on rounded operands, and against f32.
 
 use super::*;
-use crate::ops::bf16_gemm::KC;
+use crate::ops::operand::KC;
 use crate::ops::tests::randn;
 
 fn values(len: usize, seed: u64) -> Vec<f32> {
@@ -58,8 +58,8 @@ fn every_engine_multiplies_the_rounded_operands_in_every_layout_and_at_ragged_sh
                 let mut ours = if accumulate { start.clone() } else { vec![f32::NAN; m * n] };
                 // SAFETY: the strides address [m, k] and [k, n] inside lhs and rhs; ours is [m, n].
                 unsafe {
-                    bf16_product(
-                        engine,
+                    half_product(
+                        HalfEngine::Bf16(engine),
                         (m, n, k),
                         ours.as_mut_ptr(),
                         n,
