@@ -1,6 +1,6 @@
 //! The accuracy guard of half-precision training, as a user runs it: `train-local` on the
-//! synthetic persona for 200 steps with `--compute-dtype bf16` ends within 1 point of the
-//! f32 run's reward accuracies and within 2 % of its loss.
+//! synthetic persona for 200 steps with `--compute-dtype bf16`, and with `f16`, ends within
+//! 1 point of the f32 run's reward accuracies and within 2 % of its loss.
 
 use std::path::Path;
 use std::process::Command;
@@ -22,20 +22,23 @@ fn train(dtype: &str, out: &Path) -> Value {
 }
 
 #[test]
-fn two_hundred_bf16_steps_end_within_a_point_of_f32_accuracy_and_two_percent_of_its_loss() {
+fn two_hundred_bf16_or_f16_steps_end_within_a_point_of_f32_accuracy_and_two_percent_of_its_loss() {
     let dir = tempfile::tempdir().unwrap();
     let full = train("f32", &dir.path().join("f32"));
-    let half = train("bf16", &dir.path().join("bf16"));
     let value = |s: &Value, key: &str| s[key].as_f64().unwrap_or_else(|| panic!("summary lacks `{key}`"));
-    for key in ["reward_acc", "heldout_acc"] {
-        let (f, h) = (value(&full, key), value(&half, key));
-        eprintln!("{key}: f32 {f:.4}, bf16 {h:.4}");
-        assert!((f - h).abs() <= 0.01, "{key}: bf16 {h} is more than a point from f32's {f}");
-    }
-    let (f, h) = (value(&full, "final_loss"), value(&half, "final_loss"));
-    eprintln!("final_loss: f32 {f:.6e}, bf16 {h:.6e}");
-    assert!((f - h).abs() <= 0.02 * f.abs(), "final loss: bf16 {h} is more than 2 % from f32's {f}");
-    assert_ne!(f, h, "the bf16 run computed in bf16");
     let initial = full["initial"]["loss"].as_f64().unwrap();
+    let f = value(&full, "final_loss");
     assert!(f < 0.5 * initial, "the f32 run learned: loss {initial} -> {f}");
+    for dtype in ["bf16", "f16"] {
+        let half = train(dtype, &dir.path().join(dtype));
+        for key in ["reward_acc", "heldout_acc"] {
+            let (f, h) = (value(&full, key), value(&half, key));
+            eprintln!("{key}: f32 {f:.4}, {dtype} {h:.4}");
+            assert!((f - h).abs() <= 0.01, "{key}: {dtype} {h} is more than a point from f32's {f}");
+        }
+        let h = value(&half, "final_loss");
+        eprintln!("final_loss: f32 {f:.6e}, {dtype} {h:.6e}");
+        assert!((f - h).abs() <= 0.02 * f.abs(), "final loss: {dtype} {h} is more than 2 % from f32's {f}");
+        assert_ne!(f, h, "the {dtype} run computed in {dtype}");
+    }
 }

@@ -457,3 +457,6 @@ impl Gpt2 {
         Ok(self.lm_head(&h.reshape((b * t, d))?)?.reshape((b, t, ()))?)
     }
 }
+
+#[cfg(test)]
+mod tests;

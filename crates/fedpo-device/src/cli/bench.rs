@@ -359,8 +359,9 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
         "device": device_name(&device),
         "compute_dtype": format!("{compute_dtype:?}").to_lowercase(),
         "bf16_engine": format!("{:?}", fedpo_model::ops::Bf16Engine::detect()),
-        "f16_engine": format!("{:?}", fedpo_model::ops::F16Engine::detect()),
     });
+    // Beside bf16_engine; set here because one more key overflows json!'s recursion limit.
+    report["f16_engine"] = json!(format!("{:?}", fedpo_model::ops::F16Engine::detect()));
     if let Some(memory) = gpu_memory(&device) {
         // the pool's peak over the timed steps, and over model building and warm-up
         report["gpu_peak_mib"] = json!(gpu_peak_mib(&device));

@@ -79,9 +79,19 @@ impl Bf16Engine {
 /// # Safety
 /// Every `(i, j)` the strides address is inside the operand's buffer.
 pub(super) unsafe fn rounded_copy(ptr: *const f32, (rs, cs): (usize, usize), rows: usize, cols: usize) -> Vec<f32> {
-    let round = |x: f32| half::bf16::from_f32(x).to_f32();
-    // SAFETY: the caller's contract.
-    (0..rows * cols).map(|e| round(unsafe { *ptr.add((e / cols) * rs + (e % cols) * cs) })).collect()
+    use rayon::prelude::*;
+    let mut out = vec![0f32; rows * cols];
+    if cols == 0 {
+        return out;
+    }
+    let ptr = super::send_ptr::SendPtr(ptr.cast_mut());
+    out.par_chunks_mut(cols).enumerate().for_each(|(i, row)| {
+        for (j, v) in row.iter_mut().enumerate() {
+            // SAFETY: (i, j) is inside the operand (the caller's contract).
+            *v = half::bf16::from_f32(unsafe { *ptr.get().add(i * rs + j * cs) }).to_f32();
+        }
+    });
+    out
 }
 
 #[cfg(target_arch = "x86_64")]

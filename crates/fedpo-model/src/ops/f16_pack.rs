@@ -98,24 +98,58 @@ pub(super) unsafe fn lane_scales(lanes: &Lanes) -> (Vec<f32>, Vec<f32>) {
     (scales, inverse)
 }
 
-/// `lanes x inner`, each element scaled by its lane's scale, rounded to f16 (nearest, ties
-/// to even) and unscaled: the f16 operand as an f32 matrix, lane-major (for the rows of a
-/// left operand, row-major `[m, k]`; for the columns of a right one, `[n, k]`).
+/// An operand's scaled, rounded and unscaled values in f32, with the strides that address
+/// lane `l`, inner index `p` at `values[l * lane_stride + p * inner_stride]`.
+pub(super) struct Rounded {
+    pub values: Vec<f32>,
+    pub lane_stride: usize,
+    pub inner_stride: usize,
+}
+
+/// Each element scaled by its lane's scale, rounded to f16 (nearest, ties to even) and
+/// unscaled: the f16 operand as f32 values, laid out in the order the operand's memory
+/// runs (lane by lane, or inner index by inner index when the lanes are contiguous), so
+/// both the reads and the conversions run along memory.
 ///
 /// # Safety
 /// The lanes' strides address their buffer.
-pub(super) unsafe fn rounded_copy(lanes: &Lanes) -> Vec<f32> {
+pub(super) unsafe fn rounded_copy(lanes: &Lanes) -> Rounded {
+    use half::slice::HalfFloatSliceExt;
     // SAFETY: the caller's contract.
     let (scales, inverse) = unsafe { lane_scales(lanes) };
-    let mut out = Vec::with_capacity(lanes.lanes * lanes.inner);
-    for l in 0..lanes.lanes {
-        for p in 0..lanes.inner {
-            // SAFETY: l < lanes, p < inner.
-            let x = unsafe { lanes.at(l, p) } * scales[l];
-            out.push(half::f16::from_f32(x).to_f32() * inverse[l]);
-        }
+    let by_inner = lanes.lane_stride == 1 && lanes.inner_stride != 1;
+    let (outer, run) = if by_inner { (lanes.inner, lanes.lanes) } else { (lanes.lanes, lanes.inner) };
+    let mut values = vec![0f32; outer * run];
+    if run > 0 {
+        let ptr = SendPtr(lanes.ptr.cast_mut());
+        let (lane_stride, inner_stride) = (lanes.lane_stride, lanes.inner_stride);
+        let (scales, inverse) = (&scales, &inverse);
+        values.par_chunks_mut(run).enumerate().for_each_init(
+            || vec![half::f16::ZERO; run],
+            |halves, (o, out)| {
+                let at = |i: usize| {
+                    let (l, p) = if by_inner { (i, o) } else { (o, i) };
+                    // SAFETY: l < lanes and p < inner (the chunk's extent); the caller's
+                    // strides address the buffer.
+                    (unsafe { *ptr.get().add(l * lane_stride + p * inner_stride) }, l)
+                };
+                for (i, v) in out.iter_mut().enumerate() {
+                    let (x, l) = at(i);
+                    *v = x * scales[l];
+                }
+                halves.convert_from_f32_slice(out);
+                halves.convert_to_f32_slice(out);
+                if by_inner {
+                    out.iter_mut().zip(inverse.iter()).for_each(|(v, s)| *v *= s);
+                } else {
+                    let s = inverse[o];
+                    out.iter_mut().for_each(|v| *v *= s);
+                }
+            },
+        );
     }
-    out
+    let (lane_stride, inner_stride) = if by_inner { (1, lanes.lanes) } else { (lanes.inner, 1) };
+    Rounded { values, lane_stride, inner_stride }
 }
 
 /// Packs lanes `first..first + width` (zeros past the operand's last), inner indices
@@ -212,6 +246,8 @@ mod tests {
         let op = Operand { ptr: a.as_ptr(), row_stride: 3, col_stride: 1, rows: 2, cols: 3 };
         // SAFETY: the strides address 2 x 3 inside a.
         let rounded = unsafe { rounded_copy(&Lanes::rows_of(&op)) };
+        assert_eq!((rounded.lane_stride, rounded.inner_stride), (3, 1), "row by row, as the operand");
+        let rounded = rounded.values;
         for (x, r) in a.iter().zip(&rounded) {
             let rel = ((r - x) / x).abs();
             assert!(rel <= 2f32.powi(-11) * 1.01, "{x} rounded to {r}");
@@ -219,9 +255,12 @@ mod tests {
         // the columns of the same matrix as the right operand's lanes: [n, k] = [3, 2]
         // SAFETY: as above.
         let columns = unsafe { rounded_copy(&Lanes::columns_of(&Operand { rows: 2, cols: 3, ..op })) };
-        assert_eq!(columns.len(), 6);
+        // the columns are contiguous at each inner index (a row of the matrix): the copy
+        // keeps the operand's row-major order
+        assert_eq!((columns.lane_stride, columns.inner_stride), (1, 3));
         // lane 0 of the columns is (a[0], a[3]): a[3] is 3e12 times under the lane's scale
-        assert_eq!(columns[0], rounded[0]);
-        assert_eq!(columns[1], 0.0, "a[3] against a[0]'s scale");
+        assert_eq!(columns.values[0], rounded[0]);
+        assert_eq!(columns.values[3], 0.0, "a[3] against a[0]'s scale");
+        assert_eq!(columns.values[2], rounded[2]);
     }
 }

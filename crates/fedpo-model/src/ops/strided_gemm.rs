@@ -189,10 +189,10 @@ unsafe fn half_product(
 ) {
     let a = Operand { ptr: lhs, row_stride: lhs_strides.0, col_stride: lhs_strides.1, rows: m, cols: k };
     let b = Operand { ptr: rhs, row_stride: rhs_strides.0, col_stride: rhs_strides.1, rows: k, cols: n };
-    // The emulations' rounded operands, row-major [m, k] and as [k, n] with strides.
+    // The emulations' rounded operands and their (row, column) strides.
     // SAFETY (all arms): the operands' strides address [m, k] and [k, n] (the caller's
     // contract); the engine is one this CPU runs.
-    let (a, b, b_strides) = match engine {
+    let ((a, a_strides), (b, b_strides)) = match engine {
         #[cfg(target_arch = "x86_64")]
         HalfEngine::Bf16(engine @ (Bf16Engine::Amx | Bf16Engine::Avx512Bf16)) => {
             let amx = engine == Bf16Engine::Amx;
@@ -203,13 +203,20 @@ unsafe fn half_product(
             return unsafe { super::f16_gemm::native_gemm(a, b, (dst, dst_rs), accumulate, scale, threads) };
         }
         HalfEngine::Bf16(_) => unsafe {
-            (bf16_gemm::rounded_copy(lhs, lhs_strides, m, k), bf16_gemm::rounded_copy(rhs, rhs_strides, k, n), (n, 1))
+            (
+                (bf16_gemm::rounded_copy(lhs, lhs_strides, m, k), (k, 1)),
+                (bf16_gemm::rounded_copy(rhs, rhs_strides, k, n), (n, 1)),
+            )
         },
-        HalfEngine::F16(_) => unsafe {
-            (rounded_copy(&Lanes::rows_of(&a)), rounded_copy(&Lanes::columns_of(&b)), (1, k))
-        },
+        HalfEngine::F16(_) => {
+            let (rows, columns) = unsafe { (rounded_copy(&Lanes::rows_of(&a)), rounded_copy(&Lanes::columns_of(&b))) };
+            (
+                (rows.values, (rows.lane_stride, rows.inner_stride)),
+                (columns.values, (columns.inner_stride, columns.lane_stride)),
+            )
+        }
     };
-    // SAFETY: a is row-major [m, k], b is [k, n] at b_strides; dst is the caller's.
+    // SAFETY: a is [m, k] at a_strides, b is [k, n] at b_strides; dst is the caller's.
     unsafe {
         gemm_into(
             (m, n, k),
@@ -217,7 +224,7 @@ unsafe fn half_product(
             dst_rs,
             accumulate,
             a.as_ptr(),
-            (k, 1),
+            a_strides,
             b.as_ptr(),
             b_strides,
             scale,
